@@ -1,0 +1,97 @@
+"""CLI: python -m kimijax.decode --model PATH|preset --prompt "..." [--chat] [--method ddtree ...]
+
+Prints the answer, then tokens/s, mean acceptance length and the device used. Bad input (missing or
+corrupt checkpoint, unsupported config, over-long prompt, invalid sampling or tree parameters) prints one
+line `error: ...` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kimijax.decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory, orbax save, or preset (default: the embedded model)")
+    p.add_argument("--prompt", default="Write one sentence about the sea.", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None,
+                   help="decoding method (default: ddtree when a drafter is available, else ar)")
+    p.add_argument("--drafter", help="DFlash drafter directory (z-lab format)")
+    p.add_argument("--budget", type=int, default=16, help="DDTree node budget (1..128)")
+    p.add_argument("--topk-cap", type=int, default=None, help="DDTree: at most this many children per depth")
+    p.add_argument("--draft-window", type=int, default=None, help="drafter sees only the last W context tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, OSError) as e:  # our errors subclass ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import jax
+
+    import kimijax
+    from kimijax import defaults
+
+    random_note = None
+    model = args.model
+    if model is None:
+        model = str(defaults.embedded_default_dir())
+        random_note = (f"note: no --model given; running the embedded default {defaults.EMBEDDED_NAME}: a tiny "
+                       "Kimi-architecture checkpoint with RANDOM weights (its output is meaningless text)")
+    target = kimijax.load_target(model, progress=not args.json)
+    if random_note is None and getattr(target, "random_weights", False):
+        random_note = f"note: preset {model!r} has RANDOM weights (its output is meaningless)"
+    drafter = None
+    if args.drafter:
+        drafter = kimijax.load_drafter(args.drafter, target)
+    method = args.method or ("ddtree" if drafter is not None else "ar")
+    engine = kimijax.Engine(target, drafter, method=method, budget=args.budget, topk_cap=args.topk_cap,
+                            draft_window=args.draft_window)
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError(f"model {model!r} has no tokenizer (tiktoken.model); the CLI needs one for text prompts")
+    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    res = engine.generate([prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)[0]
+    st = engine.last_stats
+    dev = jax.devices()[0]
+    info = {
+        "model": model, "method": method, "device": f"{dev.platform}:{dev.device_kind}",
+        "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
+        "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.tokens),
+        "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2),
+        "mean_acceptance_length": None if st["mean_acceptance"] != st["mean_acceptance"] else round(st["mean_acceptance"], 3),
+        "prefill_s": round(st["prefill_s"], 3), "decode_s": round(st["decode_s"], 3),
+        "random_weights": random_note is not None,
+    }
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    if random_note:
+        print(random_note, file=sys.stderr)
+    print(res.text)
+    print(f"\n[{method}] {len(res.tokens)} tokens ({res.finish_reason}) | {info['decode_tokens_per_s']} tok/s decode "
+          f"| mean acceptance length {info['mean_acceptance_length']} | device {info['device']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The embedded default model that `python -m kimijax.decode` runs without --model.
+
+Until the real small model lands this is a tiny Kimi-architecture checkpoint with RANDOM weights, written
+once by this code in the real HF layout (config.json, index, odd-named shards, INT4 experts) with a tiny
+Kimi-style tiktoken tokenizer, so the CLI exercises the same loader path as the real 590 GB checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from kimijax.config import TINY
+
+TINY_VOCAB = 1024
+_BASE = TINY_VOCAB - 258  # Kimi special tokens occupy the last 258 ids after the BPE ranks
+EMBEDDED_CFG = dataclasses.replace(TINY, vocab_size=TINY_VOCAB, bos_token_id=_BASE, eos_token_ids=(_BASE + 1, _BASE + 2),
+                                   pad_token_id=TINY_VOCAB - 1, max_position_embeddings=4096 * 64)
+EMBEDDED_NAME = "tiny-random-kimi-v1"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KIMIJAX_CACHE", Path.home() / ".cache" / "kimijax"))
+
+
+def embedded_default_dir() -> Path:
+    """Write (once) and return the embedded tiny random-weight checkpoint directory."""
+    from kimijax.loading import save_hf_checkpoint
+    from kimijax.target import random_kimi_params
+    from kimijax.tokenizer import write_tiny_tokenizer
+
+    d = cache_dir() / EMBEDDED_NAME
+    if (d / "config.json").exists() and (d / "tiktoken.model").exists():
+        return d
+    tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+    save_hf_checkpoint(EMBEDDED_CFG, random_kimi_params(EMBEDDED_CFG, seed=0), tmp, nested=True)
+    write_tiny_tokenizer(tmp, vocab_size=TINY_VOCAB)
+    tmp.replace(d) if not d.exists() else None
+    return d

@@ -1,0 +1,305 @@
+"""Engine: batched prefill, then decode rounds inside one compiled device loop per chunk of rounds.
+
+Per-request state lives in fixed slots (batch row b): committed length S_b (entries in the target cache),
+the bonus token (committed and emitted, not yet in the cache), an output buffer, done flag and RNG key.
+A round is one AR step (method "ar") or one draft-tree-verify-commit round (methods "dflash", "ddtree",
+see kimijax/spec/round.py). `lax.while_loop` runs up to `chunk_rounds` rounds on device; the host only
+sees finished chunks (that is also the streaming granularity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimijax.sampling import check_sampling_params, sample_tokens
+
+MAX_STOP_IDS = 8
+
+
+class EngineError(ValueError):
+    """Bad request: empty or over-long prompt, invalid sampling or tree parameters, cache exhaustion."""
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[int]  # new token ids only (a final stop token included)
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    acceptance_lengths: list[int]  # tokens committed per round (AR: all 1)
+    text: str | None = None
+    rounds: int = 0
+
+
+class DecodeState(dict):
+    """Pytree of per-request device state (a dict so jit/while_loop carry it as is)."""
+
+
+jax.tree_util.register_pytree_node(
+    DecodeState, lambda d: (tuple(d[k] for k in sorted(d)), tuple(sorted(d))),
+    lambda keys, vals: DecodeState(zip(keys, vals)))
+
+
+def _bucket(n: int, minimum: int = 8) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+def row_sample(keys_B, logits_BV, temperature_B, top_k_B, top_p_B):
+    """One sample per row with the row's own key (independent of batch composition)."""
+    return jax.vmap(lambda k, l, t, tk, tp: sample_tokens(k, l[None], t[None], tk[None], tp[None])[0])(
+        keys_B, logits_BV, temperature_B, top_k_B, top_p_B)
+
+
+def row_keys(st):
+    """This round's key per request: its own stream, indexed by how many tokens it has emitted."""
+    return jax.vmap(jax.random.fold_in)(st["keys"], st["n_out"])
+
+
+def is_stop(tokens, stop_ids_S):
+    return jnp.any(tokens[..., None] == stop_ids_S, axis=-1)
+
+
+class Engine:
+    """Generate with a target alone (method "ar") or speculatively with a DFlash drafter ("dflash", "ddtree")."""
+
+    def __init__(self, target, drafter=None, method: str = "ar", budget: int = 8, topk_cap: int | None = None,
+                 draft_window: int | None = None, chunk_rounds: int = 32, max_cache_len: int | None = None):
+        if method not in ("ar", "dflash", "ddtree"):
+            raise EngineError(f"unknown method {method!r}: choose ar, dflash or ddtree")
+        if method != "ar" and drafter is None:
+            raise EngineError(f"method {method!r} needs a drafter (load one with kimijax.load_drafter)")
+        if method == "ddtree" and not 1 <= budget <= 128:
+            raise EngineError(f"tree budget must be in 1..128, got {budget}")
+        if topk_cap is not None and topk_cap < 1:
+            raise EngineError(f"topk_cap must be >= 1, got {topk_cap}")
+        if draft_window is not None and draft_window < 1:
+            raise EngineError(f"draft_window must be >= 1, got {draft_window}")
+        if chunk_rounds < 1:
+            raise EngineError("chunk_rounds must be >= 1")
+        self.target, self.drafter, self.method = target, drafter, method
+        self.budget, self.topk_cap, self.draft_window = budget, topk_cap, draft_window
+        self.chunk_rounds, self.max_cache_len = chunk_rounds, max_cache_len
+        self.round = None
+        if method != "ar":
+            from kimijax.spec.round import SpecRound
+            self.round = SpecRound(target, drafter, method, budget, topk_cap, draft_window)
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        self._chunk = jax.jit(self._chunk_fn, static_argnums=(3,), donate_argnums=(1,))
+        self.last_stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------ sizes
+    @property
+    def tokens_per_round(self) -> int:
+        """Most tokens one round can commit (cache slack needed past max_new_tokens)."""
+        return 1 if self.round is None else self.round.max_commit
+
+    @property
+    def verify_width(self) -> int:
+        return 1 if self.round is None else self.round.width
+
+    # ------------------------------------------------------------ device programs
+    def _prefill_fn(self, params, caches, tokens_BT, lens_B, keys_B, temp_B, topk_B, topp_B, dparams):
+        capture = () if self.round is None else self.round.capture_layers
+        logits_BV, caches, cap = self.target.prefill(params, caches, tokens_BT, lens_B, capture)
+        first_B = row_sample(jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros_like(lens_B)), logits_BV, temp_B,
+                             topk_B, topp_B)
+        L = jax.tree_util.tree_leaves(caches)[0].shape[1]
+        extra = {} if self.round is None else self.round.init_state(dparams, cap, lens_B, L)
+        return first_B, caches, extra
+
+    def _chunk_fn(self, params, state, dparams, n_rounds: int):
+        """Up to n_rounds rounds on device, stopping early when every request is done."""
+
+        def cond(st):
+            return (st["round"] < n_rounds) & ~jnp.all(st["done"])
+
+        def body(st):
+            st = DecodeState(st)
+            if self.round is None:
+                st = self._ar_round(params, st)
+            else:
+                st = self.round(params, dparams, st)
+            st["round"] = st["round"] + 1
+            return st
+
+        state = DecodeState(state)
+        state["round"] = jnp.zeros((), jnp.int32)
+        return jax.lax.while_loop(cond, body, state)
+
+    def _ar_round(self, params, st):
+        B = st["lengths"].shape[0]
+        logits, caches, _ = self.target.verify(params, st["caches"], st["bonus"][:, None], st["lengths"][:, None],
+                                               st["lengths"], jnp.ones((B, 1, 1), bool))
+        tok = row_sample(row_keys(st), logits[:, 0], st["temperature"], st["top_k"], st["top_p"])
+        live = ~st["done"]
+        st["caches"] = caches
+        st["lengths"] = st["lengths"] + live.astype(jnp.int32)
+        return commit_tokens(st, tok[:, None], live.astype(jnp.int32))
+
+    # ------------------------------------------------------------ host side
+    def _encode(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+            raise EngineError("generate() takes a list of prompts (strings or lists of token ids)")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                tok = getattr(self.target, "tokenizer", None)
+                if tok is None:
+                    raise EngineError("this target has no tokenizer: pass prompts as lists of token ids")
+                p = tok.encode(p)
+            p = [int(t) for t in p]
+            if not p:
+                raise EngineError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise EngineError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self.target.vocab_size})")
+            out.append(p)
+        if not out:
+            raise EngineError("no prompts given")
+        return out
+
+    def start(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
+              stop_ids: Sequence[int] | None = None):
+        """Prefill a batch; returns the host-side request record and the device state."""
+        toks = self._encode(prompts)
+        B = len(toks)
+        as_rows = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (B,)).copy()
+        temp, tp, tk = as_rows(temperature, np.float32), as_rows(top_p, np.float32), as_rows(top_k, np.int32)
+        try:
+            check_sampling_params(temp, tk, tp)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        lens = np.array([len(t) for t in toks], np.int32)
+        ctx = self.target.max_context
+        for i, n in enumerate(lens):
+            if n + max_new_tokens > ctx:
+                raise EngineError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
+                                  f"{n + max_new_tokens} positions but the model's context is {ctx}")
+        need = int(lens.max()) + max_new_tokens + self.verify_width + self.tokens_per_round
+        L = _bucket(need, 64)
+        if self.max_cache_len is not None:
+            if need > self.max_cache_len:
+                raise EngineError(f"cache exhausted: the longest prompt ({lens.max()} tokens) + max_new_tokens "
+                                  f"({max_new_tokens}) + tree slack ({need - lens.max() - max_new_tokens}) needs "
+                                  f"{need} cache slots, max_cache_len is {self.max_cache_len}")
+            L = min(L, self.max_cache_len)
+        T = _bucket(int(lens.max()))
+        tokens_BT = np.zeros((B, T), np.int32)
+        for i, t in enumerate(toks):
+            tokens_BT[i, : len(t)] = t
+        stops = list(self.target.stop_ids if stop_ids is None else stop_ids)
+        if len(stops) > MAX_STOP_IDS:
+            raise EngineError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(stops)}")
+        stops_S = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops_S[: len(stops)] = stops
+        keys_B = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(B))
+        params = self.target.params
+        dparams = None if self.drafter is None else self.drafter.params
+        caches = self.target.init_cache(B, L)
+        first_B, caches, extra = self._prefill(params, caches, jnp.asarray(tokens_BT), jnp.asarray(lens), keys_B,
+                                               jnp.asarray(temp), jnp.asarray(tk), jnp.asarray(tp), dparams)
+        M = _bucket(max_new_tokens + self.tokens_per_round, 8)
+        out = jnp.full((B, M), -1, jnp.int32).at[:, 0].set(first_B)
+        stops_j = jnp.asarray(stops_S)
+        done = is_stop(first_B, stops_j) | (max_new_tokens <= 1)
+        R = _bucket(max_new_tokens + 1, 8)
+        state = DecodeState(
+            caches=caches, lengths=jnp.asarray(lens), bonus=first_B, out=out, n_out=jnp.ones((B,), jnp.int32),
+            done=done, keys=keys_B, temperature=jnp.asarray(temp), top_k=jnp.asarray(tk), top_p=jnp.asarray(tp),
+            stop_ids=stops_j, max_new=jnp.full((B,), max_new_tokens, jnp.int32),
+            acc_hist=jnp.zeros((B, R), jnp.int32), n_rounds=jnp.zeros((B,), jnp.int32), **extra)
+        record = dict(B=B, lens=lens, max_new=max_new_tokens)
+        return record, state
+
+    def stream(self, prompts, **kw) -> Iterator[list[list[int]]]:
+        """Yield, after each device chunk, the new tokens of every request since the previous chunk."""
+        record, state = self.start(prompts, **kw)
+        seen = np.zeros(record["B"], np.int64)
+        dparams = None if self.drafter is None else self.drafter.params
+        while True:
+            n_out = np.asarray(state["n_out"])
+            out = np.asarray(state["out"])
+            yield [out[b, seen[b]: n_out[b]].tolist() for b in range(record["B"])]
+            seen = n_out.copy()
+            if bool(np.all(np.asarray(state["done"]))):
+                break
+            state = self._chunk(self.target.params, state, dparams, self.chunk_rounds)
+        self._final_state = state
+
+    def generate(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
+                 stop_ids: Sequence[int] | None = None) -> list[GenerationResult]:
+        t0 = time.perf_counter()
+        record, state = self.start(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                   top_k=top_k, seed=seed, stop_ids=stop_ids)
+        jax.block_until_ready(state["out"])
+        t1 = time.perf_counter()
+        dparams = None if self.drafter is None else self.drafter.params
+        while not bool(np.all(np.asarray(state["done"]))):
+            state = self._chunk(self.target.params, state, dparams, self.chunk_rounds)
+        t2 = time.perf_counter()
+        results = self._results(record, state)
+        n_new = sum(len(r.tokens) for r in results)
+        self.last_stats = dict(prefill_s=t1 - t0, decode_s=t2 - t1, new_tokens=n_new,
+                               decode_tokens_per_s=(n_new - len(results)) / max(t2 - t1, 1e-9),
+                               mean_acceptance=float(np.mean([a for r in results for a in r.acceptance_lengths]))
+                               if any(r.acceptance_lengths for r in results) else float("nan"))
+        if self.round is not None and "experts" in state:  # mean over rounds, per request and MoE layer
+            per_round = np.asarray(state["experts"]) / np.maximum(np.asarray(state["n_rounds"]), 1)[:, None]
+            self.last_stats["distinct_experts_per_layer"] = per_round.tolist()
+        return results
+
+    def _results(self, record, state) -> list[GenerationResult]:
+        out = np.asarray(state["out"])
+        n_out = np.asarray(state["n_out"])
+        hist = np.asarray(state["acc_hist"])
+        n_rounds = np.asarray(state["n_rounds"])
+        stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
+        tok = getattr(self.target, "tokenizer", None)
+        res = []
+        for b in range(record["B"]):
+            toks = out[b, : n_out[b]].tolist()
+            reason = "stop" if toks and toks[-1] in stops else "length"
+            acc = hist[b, : n_rounds[b]].tolist()
+            text = None
+            if tok is not None:
+                text = tok.decode([t for t in toks if t not in stops])
+            res.append(GenerationResult(toks, reason, int(record["lens"][b]), acc, text, int(n_rounds[b])))
+        return res
+
+
+def commit_tokens(st, new_BP, n_B):
+    """Append n_B[b] tokens new_BP[b, :n] to request b's output, honouring stop ids and max_new.
+
+    The last appended token becomes the new bonus. Records the round's commit count in the histogram."""
+    B, P = new_BP.shape
+    j_P = jnp.arange(P, dtype=jnp.int32)
+    room_B = st["max_new"] - st["n_out"]
+    valid_BP = (j_P[None] < jnp.minimum(n_B, room_B)[:, None]) & ~st["done"][:, None]
+    stop_BP = is_stop(new_BP, st["stop_ids"]) & valid_BP
+    # keep tokens up to and including the first stop token
+    first_stop_B = jnp.where(jnp.any(stop_BP, 1), jnp.argmax(stop_BP, 1), P)
+    keep_BP = valid_BP & (j_P[None] <= first_stop_B[:, None])
+    k_B = jnp.sum(keep_BP, axis=1).astype(jnp.int32)
+    M = st["out"].shape[1]
+    idx_BP = jnp.where(keep_BP, st["n_out"][:, None] + j_P[None], M)  # out of range -> dropped
+    st["out"] = st["out"].at[jnp.arange(B)[:, None], idx_BP].set(new_BP, mode="drop")
+    last_B = jnp.take_along_axis(new_BP, jnp.maximum(k_B - 1, 0)[:, None], axis=1)[:, 0]
+    live_B = ~st["done"]
+    st["bonus"] = jnp.where(live_B & (k_B > 0), last_B, st["bonus"])
+    st["acc_hist"] = st["acc_hist"].at[jnp.arange(B), st["n_rounds"]].set(
+        jnp.where(live_B, k_B, 0), mode="drop")
+    st["n_rounds"] = st["n_rounds"] + live_B.astype(jnp.int32)
+    st["n_out"] = st["n_out"] + k_B
+    st["done"] = st["done"] | jnp.any(stop_BP & keep_BP, 1) | (st["n_out"] >= st["max_new"])
+    return st

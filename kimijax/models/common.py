@@ -1,0 +1,124 @@
+"""Pieces shared by the targets and the drafter: RMSNorm, SwiGLU MLP, YaRN rope, parameter helpers."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimijax.config import YarnScaling, yarn_mscale
+
+
+def param(mod: nn.Module, name: str, shape, axes, dtype, init: str = "fan_in", fan_in: int | None = None):
+    """A parameter with logical axis names (sharding/rules.py maps them to mesh axes)."""
+    if init == "ones":
+        fn = lambda key, s, d: jnp.ones(s, d)
+    elif init == "zeros":
+        fn = lambda key, s, d: jnp.zeros(s, d)
+    elif init == "bits":  # packed INT4 words: any 32 random bits are 8 valid nibbles
+        fn = lambda key, s, d: jax.lax.bitcast_convert_type(jax.random.bits(key, s, jnp.uint32), jnp.int32)
+    elif init == "int4_scale":  # q in [-8, 7] has std ~4.6; scale so weights have std 1/sqrt(fan_in)
+        fn = lambda key, s, d: (jnp.abs(jax.random.normal(key, s, jnp.float32)) * 0.5 + 0.75) / (
+            4.6 * math.sqrt(fan_in)) * jnp.ones((), d)
+    elif init == "normal":
+        fn = lambda key, s, d: jax.random.normal(key, s, jnp.float32).astype(d)
+    else:
+        fi = fan_in if fan_in is not None else shape[-1]
+        fn = lambda key, s, d: (jax.random.normal(key, s, jnp.float32) / math.sqrt(fi)).astype(d)
+    return mod.param(name, nn.with_logical_partitioning(lambda key: fn(key, tuple(shape), dtype), axes))
+
+
+def rms_norm(x, w, eps: float):
+    """HF order: normalise in f32, cast back to the input dtype, then multiply by the weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return y.astype(x.dtype) * w.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float
+    dtype: jnp.dtype
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x):
+        w = param(self, "weight", (self.dim,), (self.axis_name,), self.dtype, init="ones")
+        return rms_norm(x, w, self.eps)
+
+
+def swiglu(x_BTD, w_gate_FD, w_up_FD, w_down_DF):
+    g = jnp.einsum("btd,fd->btf", x_BTD, w_gate_FD)
+    u = jnp.einsum("btd,fd->btf", x_BTD, w_up_FD)
+    return jnp.einsum("btf,df->btd", jax.nn.silu(g) * u, w_down_DF)
+
+
+class MLP(nn.Module):
+    """down(silu(gate x) * up x); weights stored [out, in] as in the checkpoint."""
+    dim: int
+    hidden: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        g = param(self, "gate_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
+        u = param(self, "up_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
+        d = param(self, "down_proj", (self.dim, self.hidden), ("embed", "mlp"), self.dtype)
+        return swiglu(x_BTD, g, u, d)
+
+
+# ---------------------------------------------------------------- rope
+def yarn_inv_freq(dim: int, base: float, yarn: YarnScaling | None) -> tuple[np.ndarray, float]:
+    """(inv_freq [dim/2] float32, cos/sin amplitude) exactly as HF `_compute_yarn_parameters` computes them."""
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    ext = (1.0 / pos_freqs).astype(np.float32)
+    if yarn is None:
+        return ext, 1.0
+    f = yarn.factor
+    inter = (1.0 / (np.float32(f) * pos_freqs)).astype(np.float32)
+
+    def corr(n_rot):
+        return (dim * math.log(yarn.original_max_position_embeddings / (n_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(corr(yarn.beta_fast)), 0)
+    high = min(math.ceil(corr(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrap_w = (1 - ramp).astype(np.float32)
+    inv = (inter * (1 - extrap_w) + ext * extrap_w).astype(np.float32)
+    if yarn.mscale and yarn.mscale_all_dim:
+        amp = yarn_mscale(f, yarn.mscale) / yarn_mscale(f, yarn.mscale_all_dim)
+    else:
+        amp = yarn_mscale(f)
+    return inv, float(amp)
+
+
+def rope_cos_sin(positions, inv_freq: np.ndarray, amplitude: float):
+    """positions [...] int -> cos, sin [..., dim/2] float32."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(ang) * amplitude, jnp.sin(ang) * amplitude
+
+
+def apply_rope_interleaved(x, cos, sin):
+    """GPT-J layout: dims (2j, 2j+1) form pair j. x [..., R]; cos/sin broadcastable to [..., R/2]."""
+    x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    a, b = x32[..., 0], x32[..., 1]
+    out = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope_half(x, cos, sin):
+    """NeoX layout: dim j pairs with dim j + R/2 (Llama, Qwen3/DFlash drafters)."""
+    x32 = x.astype(jnp.float32)
+    h = x.shape[-1] // 2
+    a, b = x32[..., :h], x32[..., h:]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+
+
+def causal_tree_mask(B: int, T: int):
+    """Plain causal mask for T new tokens, in the tree-mask format the attention takes: bool [B, T, T]."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))

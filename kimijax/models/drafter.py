@@ -1,0 +1,782 @@
+"""DFlash block drafter (z-lab `DFlashDraftModel` checkpoint format): KV injection + bidirectional block.
+
+The drafter is a small Qwen3-style stack without embedding or lm_head (it borrows the target's). Per
+committed token it keeps, for every draft layer, one context K/V row computed from the target's residual
+stream after the layers `target_layer_ids` (concat -> `fc` -> `hidden_norm` -> the layer's k_proj + k_norm +
+rope at the token's absolute position, and v_proj). The context vectors never pass through the draft layers.
+One draft pass runs the block `[bonus, MASK x (bs-1)]` at positions S..S+bs-1 over [context slots < S ; the
+whole block] (bidirectional inside the block); block slot i >= 1 predicts the token at position S+i.
+
+Draft context cache: a list (one entry per draft layer) of arrays [B, Lc, 2, Hkv, hd] in the drafter dtype;
+slot j holds K (index 0, normed and rotated) and V (index 1) of the committed token at absolute position j.
+
+Names: B batch, T tokens this pass, L context slots, D model dim, F = nL*D fused feature dim, H query heads,
+k kv heads, g query heads per kv head, e head dim, M mlp hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from kimijax.config import ConfigError, YarnScaling, yarn_mscale
+from kimijax.models.common import MLP, RMSNorm, apply_rope_half, param, rope_cos_sin, yarn_inv_freq
+
+
+class DrafterError(ValueError):
+    """A drafter checkpoint is unreadable, incomplete, mis-shaped, or does not fit the target."""
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+_DTYPES = ("bfloat16", "float32", "float16")
+# dflash_config keys of DFlash2 (path selector + dynamic convolutions): a different architecture.
+_DFLASH2_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The layer choice of the z-lab reference when `target_layer_ids` is absent (evenly spaced in [1, T-3])."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash drafter. Defaults: z-lab Kimi-K2.5-DFlash (intermediate_size inferred, not read from a config).
+
+    yarn_attention_factor picks the cos/sin amplitude under YaRN:
+      "ratio"   as HF computes it: mscale/mscale_all_dim when both are set, else 1 + 0.1 ln(factor)
+      "legacy"  1 + 0.1 ln(factor) always (what vllm-ascend injects for Kimi-K2.5-DFlash)
+      a float   that amplitude (HF's explicit rope_scaling.attention_factor)
+    """
+    hidden_size: int = 7168
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 18432
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 50000.0
+    rope_scaling: YarnScaling | None = YarnScaling()
+    yarn_attention_factor: str | float = "ratio"
+    block_size: int = 8
+    mask_token_id: int = 163838
+    target_layer_ids: tuple[int, ...] = (1, 12, 24, 35, 47, 58)
+    num_target_layers: int | None = 61
+    layer_types: tuple[str, ...] | None = None  # None: every layer full attention
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: sliding layers causal inside the block, full layers bidirectional
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    vocab_size: int | None = 163840
+    max_position_embeddings: int = 262144
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even (NeoX rope)")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size={self.block_size} must be >= 2 (bonus + at least one mask slot)")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty")
+        if min(self.target_layer_ids) < 0:
+            raise ConfigError(f"target_layer_ids {list(self.target_layer_ids)} contain a negative id")
+        if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
+            raise ConfigError(f"target_layer_ids {list(self.target_layer_ids)} reach past "
+                              f"num_target_layers={self.num_target_layers}")
+        if self.mask_token_id < 0:
+            raise ConfigError(f"mask_token_id={self.mask_token_id} is negative")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                                  f"num_hidden_layers={self.num_hidden_layers}")
+            bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
+            if bad:
+                raise ConfigError(f"unsupported layer type {bad[0]!r} (kimijax supports {FULL!r} and {SLIDING!r})")
+            if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+                raise ConfigError(f"layer_types contain {SLIDING!r} but sliding_window={self.sliding_window!r} "
+                                  "is not a positive int")
+        yaf = self.yarn_attention_factor
+        if isinstance(yaf, str):
+            if yaf not in ("ratio", "legacy"):
+                raise ConfigError(f"yarn_attention_factor={yaf!r}: expected 'ratio', 'legacy' or a number")
+        elif not (isinstance(yaf, (int, float)) and yaf > 0):
+            raise ConfigError(f"yarn_attention_factor={yaf!r}: expected 'ratio', 'legacy' or a positive number")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"drafter dtype {self.dtype!r} not in {_DTYPES}")
+
+    # ---- derived
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def layer_window(self, i: int) -> int | None:
+        """The trained sliding window of draft layer i (None for full attention)."""
+        return self.sliding_window if self.layer_types is not None and self.layer_types[i] == SLIDING else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether draft layer i is causal inside the block (z-lab: sliding layers are, unless is_causal says)."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_window(i) is not None
+
+    @property
+    def rope_amplitude(self) -> float:
+        """The cos/sin amplitude (YaRN attention factor) the drafter's rope uses."""
+        if self.rope_scaling is None:
+            return 1.0
+        yaf = self.yarn_attention_factor
+        if not isinstance(yaf, str):
+            return float(yaf)
+        if yaf == "legacy":
+            return yarn_mscale(self.rope_scaling.factor)
+        return yarn_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)[1]
+
+    def rope_tables(self) -> tuple[np.ndarray, float]:
+        """(inv_freq [head_dim/2] float32, amplitude)."""
+        inv, _ = yarn_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        return inv, self.rope_amplitude
+
+    # ---- HF config.json (z-lab format)
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], *, dtype: str = "bfloat16",
+                yarn_attention_factor: str | float | None = None) -> "DrafterConfig":
+        """Read a z-lab DFlash config.json dict. `yarn_attention_factor` overrides the config's choice."""
+        dc = hf.get("dflash_config") or {}
+
+        def dv(k, default=None):  # dflash_config first, then the top level (as the z-lab reference reads them)
+            v = dc.get(k)
+            return hf.get(k, default) if v is None else v
+
+        def req(k):
+            if hf.get(k) is None:
+                raise ConfigError(f"drafter config.json lacks required field {k!r}")
+            return hf[k]
+
+        arch = list(hf.get("architectures") or [])
+        if any("DFlash2" in a for a in arch) or any(k in dc for k in _DFLASH2_KEYS):
+            raise ConfigError("DFlash2 drafters (path selector, dynamic convolutions) are not supported; "
+                              "kimijax runs DFlashDraftModel checkpoints")
+        if arch and "DFlashDraftModel" not in arch:
+            raise ConfigError(f"unsupported drafter architectures {arch}: expected ['DFlashDraftModel']")
+        if hf.get("model_type") not in (None, "qwen3"):
+            raise ConfigError(f"unsupported drafter model_type {hf.get('model_type')!r}: expected 'qwen3'")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"unsupported hidden_act={hf['hidden_act']!r} (kimijax supports 'silu')")
+        for k in ("attention_bias", "mlp_bias"):
+            if hf.get(k):
+                raise ConfigError(f"unsupported {k}=true (DFlash drafters have no biases)")
+
+        hidden = int(req("hidden_size"))
+        n_layers = int(req("num_hidden_layers"))
+        n_heads = int(req("num_attention_heads"))
+        n_kv = int(hf.get("num_key_value_heads") or n_heads)
+        head_dim = int(hf.get("head_dim") or hidden // n_heads)
+
+        # rope: transformers<5 `rope_theta` + `rope_scaling`; transformers 5 `rope_parameters`
+        rp = hf.get("rope_parameters")
+        rs = rp if rp is not None else hf.get("rope_scaling")
+        theta = hf.get("rope_theta")
+        if theta is None:
+            theta = (rp or {}).get("rope_theta", 10000.0)
+        yarn, yaf = None, "ratio"
+        if rs is not None:
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype == "yarn":
+                if rs.get("truncate") is False:
+                    raise ConfigError("unsupported rope_scaling.truncate=false (kimijax implements truncated YaRN)")
+                # mscale fields stay 0 when absent: HF then falls back to 1 + 0.1 ln(factor)
+                yarn = YarnScaling(
+                    factor=float(rs["factor"]),
+                    original_max_position_embeddings=int(rs.get("original_max_position_embeddings") or
+                                                         hf.get("max_position_embeddings", 4096)),
+                    beta_fast=float(rs.get("beta_fast") or 32.0),
+                    beta_slow=float(rs.get("beta_slow") or 1.0),
+                    mscale=float(rs.get("mscale") or 0.0),
+                    mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0),
+                )
+                if rs.get("attention_factor") is not None:
+                    yaf = float(rs["attention_factor"])
+            elif rtype not in (None, "default"):
+                raise ConfigError(f"unsupported drafter rope type {rtype!r} (kimijax supports 'yarn' or none)")
+        if yarn_attention_factor is not None:
+            yaf = yarn_attention_factor
+
+        layer_types = hf.get("layer_types")
+        if layer_types is None and hf.get("use_sliding_window"):
+            mwl = int(hf.get("max_window_layers") or 0)
+            layer_types = [SLIDING if i >= mwl else FULL for i in range(n_layers)]
+        if layer_types is not None:
+            layer_types = tuple(layer_types)
+            if all(t == FULL for t in layer_types) and len(layer_types) == n_layers:
+                layer_types = None
+        sliding = hf.get("sliding_window")
+        if layer_types is None:
+            sliding = None
+
+        mask_id = dv("mask_token_id")
+        if mask_id is None:
+            raise ConfigError("drafter config.json lacks dflash_config.mask_token_id")
+        n_target = dv("num_target_layers")
+        ids = dv("target_layer_ids")
+        if ids is None:
+            if n_target is None:
+                raise ConfigError("drafter config.json has neither dflash_config.target_layer_ids nor "
+                                  "num_target_layers")
+            ids = default_target_layer_ids(int(n_target), n_layers)
+        is_causal = dv("is_causal")
+        softcap = dv("final_logit_softcapping")
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            intermediate_size=int(req("intermediate_size")),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=yarn,
+            yarn_attention_factor=yaf,
+            block_size=int(dv("block_size", 16)),
+            mask_token_id=int(mask_id),
+            target_layer_ids=tuple(int(i) for i in ids),
+            num_target_layers=None if n_target is None else int(n_target),
+            layer_types=layer_types,
+            sliding_window=None if sliding is None else int(sliding),
+            is_causal=None if is_causal is None else bool(is_causal),
+            input_embedding_scale=float(dv("input_embedding_scale", 1.0)),
+            output_multiplier=float(dv("output_multiplier", 1.0)),
+            final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+            vocab_size=None if hf.get("vocab_size") is None else int(hf["vocab_size"]),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 262144)),
+            dtype=dtype,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A z-lab-format config.json dict (what save_drafter writes)."""
+        dc: dict[str, Any] = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        if self.is_causal is not None:
+            dc["is_causal"] = self.is_causal
+        if self.input_embedding_scale != 1.0:
+            dc["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dc["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dc["final_logit_softcapping"] = self.final_logit_softcapping
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "dflash_config": dc,
+            "torch_dtype": "bfloat16",
+        }
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        if self.vocab_size is not None:
+            out["vocab_size"] = self.vocab_size
+        if self.rope_scaling is not None:
+            y = self.rope_scaling
+            rs: dict[str, Any] = {"rope_type": "yarn", "type": "yarn", "factor": y.factor,
+                                  "original_max_position_embeddings": y.original_max_position_embeddings,
+                                  "beta_fast": y.beta_fast, "beta_slow": y.beta_slow}
+            if y.mscale:
+                rs["mscale"] = y.mscale
+            if y.mscale_all_dim:
+                rs["mscale_all_dim"] = y.mscale_all_dim
+            if self.yarn_attention_factor != "ratio":  # HF honours an explicit attention_factor
+                rs["attention_factor"] = self.rope_amplitude
+            out["rope_scaling"] = rs
+        else:
+            out["rope_scaling"] = None
+        lt = self.layer_types or (FULL,) * self.num_hidden_layers
+        out["layer_types"] = list(lt)
+        out["use_sliding_window"] = SLIDING in lt
+        out["sliding_window"] = self.sliding_window
+        return out
+
+
+KIMI_K25_DFLASH = DrafterConfig()
+
+
+# ---------------------------------------------------------------- modules
+def _block_mask(T: int, causal: bool, window: int | None):
+    """bool [T, T]: query slot i sees block slot s."""
+    i = jnp.arange(T)[:, None]
+    s = jnp.arange(T)[None, :]
+    m = jnp.ones((T, T), bool)
+    if causal:
+        m &= s <= i
+    if window is not None:
+        m &= i - s < window
+        if not causal:
+            m &= s - i < window
+    return m
+
+
+class DraftAttention(nn.Module):
+    """Qwen3 GQA attention with q/k norms; keys/values = [injected context ; block]."""
+    cfg: DrafterConfig
+    dtype: Any
+
+    def setup(self):
+        c, dt = self.cfg, self.dtype
+        D, H, KV, E = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = param(self, "q_proj", (H, E, D), ("heads", "head_dim", "embed"), dt)
+        self.k_proj = param(self, "k_proj", (KV, E, D), ("kv_heads", "head_dim", "embed"), dt)
+        self.v_proj = param(self, "v_proj", (KV, E, D), ("kv_heads", "head_dim", "embed"), dt)
+        self.o_proj = param(self, "o_proj", (D, H, E), ("embed", "heads", "head_dim"), dt, fan_in=H * E)
+        self.q_norm = RMSNorm(E, c.rms_norm_eps, dt)
+        self.k_norm = RMSNorm(E, c.rms_norm_eps, dt)
+
+    def kv(self, x_BTD, cos_BTe, sin_BTe):
+        """-> [B, T, 2, k, e]: k_norm'ed, rotated keys and values of x."""
+        k_BTke = self.k_norm(jnp.einsum("btd,ked->btke", x_BTD, self.k_proj))
+        k_BTke = apply_rope_half(k_BTke, cos_BTe[:, :, None], sin_BTe[:, :, None])
+        v_BTke = jnp.einsum("btd,ked->btke", x_BTD, self.v_proj)
+        return jnp.stack([k_BTke, v_BTke], axis=2)
+
+    def __call__(self, x_BTD, cos_BTe, sin_BTe, ctx_BL2ke, ctx_mask_BTL, blk_mask_TT):
+        c = self.cfg
+        B, T, _ = x_BTD.shape
+        KV, G, E = c.num_key_value_heads, c.q_per_kv, c.head_dim
+        q_BTHe = self.q_norm(jnp.einsum("btd,hed->bthe", x_BTD, self.q_proj))
+        q_BTHe = apply_rope_half(q_BTHe, cos_BTe[:, :, None], sin_BTe[:, :, None])
+        q_BTkge = q_BTHe.reshape(B, T, KV, G, E)  # query head h uses kv head h // G (HF repeat_kv)
+        blk_BT2ke = self.kv(x_BTD, cos_BTe, sin_BTe)
+        kc, vc = ctx_BL2ke[:, :, 0], ctx_BL2ke[:, :, 1]
+        kb, vb = blk_BT2ke[:, :, 0], blk_BT2ke[:, :, 1]
+        L = kc.shape[1]
+        f32 = jnp.float32
+        s_ctx = jnp.einsum("btkge,blke->bkgtl", q_BTkge, kc, preferred_element_type=f32)
+        s_blk = jnp.einsum("btkge,bske->bkgts", q_BTkge, kb, preferred_element_type=f32)
+        s = jnp.concatenate([s_ctx, s_blk], axis=-1) * (E ** -0.5)
+        mask_BTJ = jnp.concatenate([ctx_mask_BTL, jnp.broadcast_to(blk_mask_TT, (B, T, T))], axis=-1)
+        s = jnp.where(mask_BTJ[:, None, None], s, -jnp.inf)  # every query sees at least itself
+        p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
+        o = (jnp.einsum("bkgtl,blke->btkge", p[..., :L], vc, preferred_element_type=f32)
+             + jnp.einsum("bkgts,bske->btkge", p[..., L:], vb, preferred_element_type=f32))
+        o_BTHe = o.astype(self.dtype).reshape(B, T, KV * G, E)
+        return jnp.einsum("bthe,dhe->btd", o_BTHe, self.o_proj)
+
+
+class DraftLayer(nn.Module):
+    cfg: DrafterConfig
+    dtype: Any
+
+    def setup(self):
+        c = self.cfg
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.self_attn = DraftAttention(c, self.dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, self.dtype)
+
+    def context_kv(self, ctx_BTD, cos_BTe, sin_BTe):
+        return self.self_attn.kv(ctx_BTD, cos_BTe, sin_BTe)
+
+    def __call__(self, x_BTD, cos_BTe, sin_BTe, ctx_BL2ke, ctx_mask_BTL, blk_mask_TT):
+        h = self.input_layernorm(x_BTD)
+        x_BTD = x_BTD + self.self_attn(h, cos_BTe, sin_BTe, ctx_BL2ke, ctx_mask_BTL, blk_mask_TT)
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+
+
+class DFlash(nn.Module):
+    """Param tree mirrors the checkpoint: fc, hidden_norm, norm, layers_{i}/{input_layernorm, self_attn/...,
+    post_attention_layernorm, mlp/...}. q/k/v_proj are stored per head ([H|k, e, D]); o_proj [D, H, e]."""
+    cfg: DrafterConfig
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    def setup(self):
+        c = self.cfg
+        self.fc = param(self, "fc", (c.hidden_size, c.num_features * c.hidden_size), ("embed", "draft_features"),
+                        self.dtype)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+        self.layers = [DraftLayer(c, self.dtype) for _ in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype)
+
+    def _rope(self, positions_BT):
+        inv, amp = self.cfg.rope_tables()
+        return rope_cos_sin(positions_BT, inv, amp)
+
+    def project_context(self, feats_BTF):
+        return self.hidden_norm(jnp.einsum("btf,df->btd", feats_BTF.astype(self.dtype), self.fc))
+
+    def context_kv(self, feats_BTF, positions_BT):
+        """Fused target features -> per-layer context rows [B, T, 2, k, e]."""
+        with jax.named_scope("drafter_context"):
+            ctx_BTD = self.project_context(feats_BTF)
+            cos, sin = self._rope(positions_BT)
+            return [layer.context_kv(ctx_BTD, cos, sin) for layer in self.layers]
+
+    def block(self, x_BTD, positions_BT, ctx_kv, ctx_pos_BL, ctx_valid_BL):
+        """Block hidden states (after the final norm) [B, T, D]; ctx_kv[i] [B, L, 2, k, e] at ctx_pos_BL."""
+        c = self.cfg
+        T = x_BTD.shape[1]
+        cos, sin = self._rope(positions_BT)
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"drafter_layer_{i}"):
+                w = c.layer_window(i)
+                ctx_mask_BTL = jnp.broadcast_to(ctx_valid_BL[:, None, :], (x_BTD.shape[0], T, ctx_valid_BL.shape[1]))
+                if w is not None:  # context positions are < every query position, so one side suffices
+                    ctx_mask_BTL = ctx_mask_BTL & (positions_BT[:, :, None] - ctx_pos_BL[:, None, :] < w)
+                x_BTD = layer(x_BTD, cos, sin, ctx_kv[i], ctx_mask_BTL, _block_mask(T, c.layer_causal(i), w))
+        return self.norm(x_BTD)
+
+    def init_all(self, feats_BTF, x_BTD, positions_BT):
+        """Touches every parameter (used by init)."""
+        kv = self.context_kv(feats_BTF, positions_BT)
+        return self.block(x_BTD, positions_BT, kv, positions_BT, jnp.ones(positions_BT.shape, bool))
+
+
+# ---------------------------------------------------------------- the drafter object
+def write_rows(cache_BL, rows_BT, start_B):
+    """Write T rows per request at slots start_b .. start_b+T-1 (any trailing dims; capacity checked by the caller:
+    dynamic_update_slice clamps a start that would overflow, which would overwrite committed slots)."""
+    return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0))(
+        cache_BL, rows_BT, start_B)
+
+
+def check_compatible(cfg: DrafterConfig, target) -> None:
+    """Raise DrafterError when the drafter cannot run on this target."""
+    if cfg.hidden_size != target.hidden_size:
+        raise DrafterError(f"drafter hidden_size={cfg.hidden_size} != target hidden_size={target.hidden_size}")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
+        raise DrafterError(f"drafter num_target_layers={cfg.num_target_layers} != target num_layers="
+                           f"{target.num_layers}")
+    if max(cfg.target_layer_ids) >= target.num_layers:
+        raise DrafterError(f"drafter target_layer_ids {list(cfg.target_layer_ids)} reach past the target's "
+                           f"{target.num_layers} layers")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise DrafterError(f"drafter mask_token_id={cfg.mask_token_id} is outside the target vocabulary "
+                           f"(vocab_size={target.vocab_size})")
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise DrafterError(f"drafter vocab_size={cfg.vocab_size} != target vocab_size={target.vocab_size}")
+
+
+@dataclasses.dataclass
+class Drafter:
+    """A DFlash drafter: config + params + module. Methods are pure in their params (jit-friendly)."""
+    cfg: DrafterConfig
+    params: Any
+    source: str = ""
+    random_weights: bool = False
+
+    def __post_init__(self):
+        self.module = DFlash(self.cfg)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    def init_cache(self, B: int, Lc: int):
+        """Per-layer context K/V: list of zeros [B, Lc, 2, Hkv, hd] (slot = absolute position)."""
+        c = self.cfg
+        return [jnp.zeros((B, Lc, 2, c.num_key_value_heads, c.head_dim), self.dtype)
+                for _ in range(c.num_hidden_layers)]
+
+    def context_kv(self, dparams, feats_nBTD, positions_BT):
+        """Target residual streams after each layer in target_layer_ids [nL, B, T, D] -> per-layer K/V rows
+        [B, T, 2, Hkv, hd] at absolute positions_BT."""
+        nL, B, T, D = feats_nBTD.shape
+        if nL != self.cfg.num_features or D != self.cfg.hidden_size:
+            raise DrafterError(f"context features {feats_nBTD.shape}: expected [{self.cfg.num_features}, B, T, "
+                               f"{self.cfg.hidden_size}]")
+        feats_BTF = jnp.moveaxis(feats_nBTD, 0, 2).reshape(B, T, nL * D)  # concat in target_layer_ids order
+        return self.module.apply({"params": dparams}, feats_BTF, positions_BT.astype(jnp.int32),
+                                 method=DFlash.context_kv)
+
+    def append_context(self, dcache, kv_rows, start_B):
+        """Write each layer's T rows at slots start_b .. start_b+T-1."""
+        return [write_rows(c, r, start_B) for c, r in zip(dcache, kv_rows)]
+
+    def extend_context(self, dparams, dcache, feats_nBTD, start_B):
+        """context_kv at positions start_b.. then append_context."""
+        T = feats_nBTD.shape[2]
+        pos_BT = start_B[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None]
+        return self.append_context(dcache, self.context_kv(dparams, feats_nBTD, pos_BT), start_B)
+
+    def _window_view(self, dcache, ctx_len_B, window):
+        """The context slots one draft pass reads: (per-layer K/V, slot positions [B, L'], visible [B, L'])."""
+        B, Lc = dcache[0].shape[:2]
+        S = ctx_len_B.astype(jnp.int32)
+        if window is None or window >= Lc:
+            pos_BL = jnp.broadcast_to(jnp.arange(Lc, dtype=jnp.int32), (B, Lc))
+            kv = dcache
+        else:  # read only the window's slots (static size), starting at max(S - W, 0)
+            start_B = jnp.clip(S - window, 0, Lc - window)
+            kv = [jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, window, axis=0))(c, start_B)
+                  for c in dcache]
+            pos_BL = start_B[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
+        valid_BL = pos_BL < S[:, None]
+        if window is not None:
+            valid_BL &= pos_BL >= S[:, None] - window
+        return kv, pos_BL, valid_BL
+
+    def block_hidden(self, dparams, target, tparams, dcache, ctx_len_B, bonus_B, window: int | None = None):
+        """Final-normed hidden states of the block [bonus, MASK x (bs-1)] at positions S..S+bs-1 -> [B, bs, D]."""
+        c = self.cfg
+        B = bonus_B.shape[0]
+        bs = c.block_size
+        if window is not None and window < 1:
+            raise DrafterError(f"draft window must be >= 1, got {window}")
+        tokens_BT = jnp.concatenate([bonus_B.astype(jnp.int32)[:, None],
+                                     jnp.full((B, bs - 1), c.mask_token_id, jnp.int32)], axis=1)
+        x_BTD = target.embed(tparams, tokens_BT).astype(self.dtype)
+        if c.input_embedding_scale != 1.0:
+            x_BTD = x_BTD * jnp.asarray(c.input_embedding_scale, self.dtype)
+        pos_BT = ctx_len_B.astype(jnp.int32)[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+        kv, ctx_pos_BL, valid_BL = self._window_view(dcache, ctx_len_B, window)
+        return self.module.apply({"params": dparams}, x_BTD, pos_BT, kv, ctx_pos_BL, valid_BL, method=DFlash.block)
+
+    def draft_logits(self, dparams, target, tparams, dcache, ctx_len_B, bonus_B, window: int | None = None):
+        """f32 logits [B, bs-1, V]; row i-1 is the draft distribution of the token at position S+i (no shift).
+
+        ctx_len_B = S (committed tokens with context rows in dcache, slots 0..S-1); bonus_B = the token at S.
+        window: the drafter sees only context slots S-window .. S-1 (absolute rope positions kept)."""
+        h_BTD = self.block_hidden(dparams, target, tparams, dcache, ctx_len_B, bonus_B, window)[:, 1:]
+        tdt = getattr(target, "dtype", None)
+        if tdt is not None:
+            h_BTD = h_BTD.astype(tdt)
+        logits = target.head(tparams, h_BTD).astype(jnp.float32)
+        c = self.cfg
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            logits = jnp.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+
+def _init_inputs(cfg: DrafterConfig):
+    return (jnp.zeros((1, 1, cfg.num_features * cfg.hidden_size), jnp.dtype(cfg.dtype)),
+            jnp.zeros((1, 1, cfg.hidden_size), jnp.dtype(cfg.dtype)), jnp.zeros((1, 1), jnp.int32))
+
+
+def abstract_drafter_params(cfg: DrafterConfig):
+    """ShapeDtypeStructs with logical axis names (boxed), without allocating anything."""
+    module = DFlash(cfg)
+    return jax.eval_shape(lambda k: module.init(k, *_init_inputs(cfg), method=DFlash.init_all),
+                          jax.random.PRNGKey(0))["params"]
+
+
+def random_drafter(cfg: DrafterConfig, target=None, seed: int = 0) -> Drafter:
+    """Random weights (norm weights perturbed around 1 so tests see them) for tests and benchmarks."""
+    from flax.core import meta
+
+    if target is not None:
+        check_compatible(cfg, target)
+    module = DFlash(cfg)
+    key = jax.random.PRNGKey(seed)
+    params = jax.jit(lambda k: module.init(k, *_init_inputs(cfg), method=DFlash.init_all))(key)["params"]
+    params = meta.unbox(params)
+    nkey = jax.random.fold_in(key, 1)
+
+    def perturb(path, x):
+        names = [getattr(p, "key", str(p)) for p in path]
+        if len(names) >= 2 and names[-1] == "weight" and names[-2].endswith("norm"):
+            k = jax.random.fold_in(nkey, zlib.crc32("/".join(names).encode()) % (2 ** 31))
+            return (1.0 + 0.1 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+        return x
+
+    params = jax.tree_util.tree_map_with_path(perturb, params)
+    return Drafter(cfg, params, source="random", random_weights=True)
+
+
+# ---------------------------------------------------------------- checkpoints (z-lab format)
+INDEX = "model.safetensors.index.json"
+_FLOAT_DTYPES = {"BF16", "F16", "F32"}
+
+
+def _param_name(path: tuple[str, ...]) -> str:
+    parts = [p.replace("layers_", "layers.") if p.startswith("layers_") else p for p in path]
+    name = ".".join(parts)
+    return name if parts[-1] == "weight" else name + ".weight"
+
+
+def _ckpt_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    if path[-1] in ("q_proj", "k_proj", "v_proj"):
+        return (shape[0] * shape[1], shape[2])
+    if path[-1] == "o_proj":
+        return (shape[0], shape[1] * shape[2])
+    return tuple(shape)
+
+
+def drafter_tensors(cfg: DrafterConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Checkpoint tensor name -> (param path, param shape, checkpoint shape), for every parameter."""
+    from flax.core import meta
+
+    flat = jax.tree_util.tree_flatten_with_path(meta.unbox(abstract_drafter_params(cfg)))[0]
+    out = {}
+    for kp, leaf in flat:
+        path = tuple(k.key for k in kp)
+        out[_param_name(path)] = (path, tuple(leaf.shape), _ckpt_shape(path, tuple(leaf.shape)))
+    return out
+
+
+def _tensor_files(path: Path) -> dict[str, str]:
+    idx = path / INDEX
+    if idx.exists():
+        try:
+            wm = json.loads(idx.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DrafterError(f"{idx}: not a valid safetensors index ({e})") from None
+        return {n: f for n, f in wm.items()}
+    if (path / "model.safetensors").exists():
+        return {}
+    raise DrafterError(f"{path}: no model.safetensors and no {INDEX}")
+
+
+def load_drafter(path: str | os.PathLike, target, dtype: str | None = None,
+                 yarn_attention_factor: str | float | None = None, shardings=None) -> Drafter:
+    """Load a z-lab-format DFlash drafter (config.json + model.safetensors or index + shards) for `target`.
+
+    dtype: parameter dtype (default: the target's). yarn_attention_factor: "ratio" | "legacy" | float, overriding
+    the config. shardings: optional tree of shardings matching the params."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    cfg_file = p / "config.json"
+    if not cfg_file.exists():
+        raise DrafterError(f"{p}: no config.json (expected a z-lab DFlash drafter directory)")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterError(f"{cfg_file}: not valid JSON ({e})") from None
+    if dtype is None:
+        tdt = getattr(target, "dtype", None)
+        dtype = jnp.dtype(tdt).name if tdt is not None else "bfloat16"
+    try:
+        cfg = DrafterConfig.from_hf(hf, dtype=dtype, yarn_attention_factor=yarn_attention_factor)
+    except ConfigError as e:
+        raise DrafterError(f"{cfg_file}: {e}") from None
+    check_compatible(cfg, target)
+
+    want = drafter_tensors(cfg)
+    wm = _tensor_files(p)
+    files = sorted(set(wm.values())) if wm else ["model.safetensors"]
+    handles, where = {}, {}
+    for f in files:
+        if not (p / f).exists():
+            raise DrafterError(f"shard {f} is listed in {INDEX} but missing from {p}")
+        try:
+            handles[f] = safe_open(str(p / f), framework="np")
+        except Exception as e:  # noqa: BLE001 - corrupt header etc.
+            raise DrafterError(f"{p / f}: cannot open safetensors file ({e})") from None
+        for n in handles[f].keys():
+            if not wm or wm.get(n) == f:
+                where[n] = f
+    if wm:
+        lost = [n for n in wm if n not in where]
+        if lost:
+            raise DrafterError(f"tensor {lost[0]!r} is listed in {INDEX} under {wm[lost[0]]!r} but that shard "
+                               "does not contain it")
+    missing = sorted(n for n in want if n not in where)
+    if missing:
+        raise DrafterError(f"drafter checkpoint {p} lacks tensor {missing[0]!r}"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(n for n in where if n not in want)
+    if extra:
+        raise DrafterError(f"drafter checkpoint {p} has unexpected tensor {extra[0]!r}"
+                           + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+                           + " for this config")
+    for n, (ppath, pshape, cshape) in want.items():
+        sl = handles[where[n]].get_slice(n)
+        dt, shape = sl.get_dtype(), tuple(sl.get_shape())
+        if dt not in _FLOAT_DTYPES:
+            raise DrafterError(f"tensor {n!r} has dtype {dt}; expected a float dtype (BF16, F16 or F32)")
+        if shape != cshape:
+            raise DrafterError(f"tensor {n!r} has shape {list(shape)}; expected {list(cshape)}")
+
+    sh_flat = None
+    if shardings is not None:
+        sh_flat = {tuple(k.key for k in kp): s for kp, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+    np_dt = jnp.dtype(dtype)
+    flat = {}
+    for n, (ppath, pshape, _) in want.items():
+        try:
+            arr = handles[where[n]].get_tensor(n)
+        except Exception as e:  # noqa: BLE001
+            raise DrafterError(f"cannot read tensor {n!r} from {where[n]}: {e}") from None
+        arr = np.asarray(arr).astype(np_dt).reshape(pshape)
+        flat[ppath] = jax.device_put(arr, None if sh_flat is None else sh_flat.get(ppath))
+    return Drafter(cfg, _unflatten(flat), source=str(p))
+
+
+def _unflatten(flat: dict[tuple[str, ...], Any]):
+    out: dict = {}
+    for path, v in flat.items():
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = v
+    return out
+
+
+def save_drafter(drafter: Drafter, path: str | os.PathLike, dtype: str = "bfloat16") -> Path:
+    """Write config.json + model.safetensors in the z-lab format (tensors in `dtype`, default bf16)."""
+    from flax.core import meta
+    from safetensors.numpy import save_file
+
+    np_dt = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[dtype]
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    flat = {tuple(k.key for k in kp): v
+            for kp, v in jax.tree_util.tree_flatten_with_path(meta.unbox(drafter.params))[0]}
+    tensors = {}
+    for n, (ppath, _, cshape) in drafter_tensors(drafter.cfg).items():
+        if ppath not in flat:
+            raise DrafterError(f"drafter params lack {'/'.join(ppath)} (tensor {n!r})")
+        tensors[n] = np.ascontiguousarray(np.asarray(jax.device_get(flat[ppath])).astype(np_dt).reshape(cshape))
+    save_file(tensors, str(p / "model.safetensors"), metadata={"format": "pt"})
+    cfg_hf = drafter.cfg.to_hf()
+    cfg_hf["torch_dtype"] = dtype
+    (p / "config.json").write_text(json.dumps(cfg_hf, indent=1))
+    return p
+
+
+__all__ = ["DrafterConfig", "DrafterError", "DFlash", "Drafter", "KIMI_K25_DFLASH", "default_target_layer_ids",
+           "check_compatible", "random_drafter", "load_drafter", "save_drafter", "drafter_tensors", "write_rows"]

@@ -1,0 +1,91 @@
+"""Multi-head latent attention (MLA) of Kimi K2 / DeepSeek-V3, with YaRN rope.
+
+Two paths that compute the same function:
+  naive     per-head K/V expanded from the latent (HF's form): prefill and parity with HF.
+  absorbed  MQA over the latent cache (W_UK folded into the query, W_UV into the output): decode and
+            tree verify. One cache row per token per layer: [c_kv (K) | rotated k_pe (R)] = K + R values.
+
+Names: B batch, T tokens this pass, L cache slots, D model dim, H heads, Q q_lora rank, K kv_lora rank,
+N nope dim, R rope dim, V v_head dim, C = K + R.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kimijax.config import KimiConfig
+from kimijax.models.common import apply_rope_interleaved, param, rms_norm, rope_cos_sin, yarn_inv_freq
+from pallas_kernels.tree_attention import tree_attention
+
+
+def write_cache(cache_BLC, rows_BTC, start_B):
+    """Write T rows per request at slots start_b .. start_b+T-1 (capacity is checked on the host)."""
+    return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (s, 0)))(
+        cache_BLC, rows_BTC, start_B)
+
+
+class MLA(nn.Module):
+    cfg: KimiConfig
+    dtype: jnp.dtype
+    attn_impl: str = "xla"
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, cache_BLC=None, lengths_B=None, tree_mask_BTT=None,
+                 *, absorbed: bool = False):
+        c = self.cfg
+        D, H, Q, K = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+        N, R, V = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        dt = self.dtype
+        w_qa_QD = param(self, "q_a_proj", (Q, D), ("q_lora", "embed"), dt)
+        w_qa_norm = param(self, "q_a_layernorm", (Q,), ("norm",), dt, init="ones")
+        w_qb_HEQ = param(self, "q_b_proj", (H, N + R, Q), ("heads", "qk_dim", "q_lora"), dt)
+        w_kva_CD = param(self, "kv_a_proj_with_mqa", (K + R, D), ("latent", "embed"), dt)
+        w_kva_norm = param(self, "kv_a_layernorm", (K,), ("norm",), dt, init="ones")
+        w_kvb_HMK = param(self, "kv_b_proj", (H, N + V, K), ("heads", "kv_dim", "kv_lora"), dt)
+        w_o_DHV = param(self, "o_proj", (D, H, V), ("embed", "heads", "v_dim"), dt, fan_in=H * V)
+
+        with jax.named_scope("mla_proj"):
+            cq_BTQ = rms_norm(jnp.einsum("btd,qd->btq", x_BTD, w_qa_QD), w_qa_norm, c.latent_norm_eps)
+            q_BTHE = jnp.einsum("btq,heq->bthe", cq_BTQ, w_qb_HEQ)
+            q_nope_BTHN, q_pe_BTHR = q_BTHE[..., :N], q_BTHE[..., N:]
+            kva_BTC = jnp.einsum("btd,cd->btc", x_BTD, w_kva_CD)
+            ckv_BTK = rms_norm(kva_BTC[..., :K], w_kva_norm, c.latent_norm_eps)
+            inv_freq, amp = yarn_inv_freq(R, c.rope_theta, c.rope_scaling)
+            cos_BTr, sin_BTr = rope_cos_sin(positions_BT, inv_freq, amp)
+            q_pe_BTHR = apply_rope_interleaved(q_pe_BTHR, cos_BTr[:, :, None], sin_BTr[:, :, None])
+            k_pe_BTR = apply_rope_interleaved(kva_BTC[..., K:], cos_BTr, sin_BTr)
+            rows_BTC = jnp.concatenate([ckv_BTK, k_pe_BTR], axis=-1)
+
+        if cache_BLC is not None:
+            cache_BLC = write_cache(cache_BLC, rows_BTC, lengths_B)
+
+        scale = c.softmax_scale
+        w_uk_HNK, w_uv_HVK = w_kvb_HMK[:, :N], w_kvb_HMK[:, N:]
+        if absorbed:
+            with jax.named_scope("mla_absorbed"):
+                q_lat_BTHK = jnp.einsum("bthn,hnk->bthk", q_nope_BTHN, w_uk_HNK)
+                q_cat_BTHC = jnp.concatenate([q_lat_BTHK, q_pe_BTHR], axis=-1)
+                o_lat_BTHK, _ = tree_attention(q_cat_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale, K,
+                                               impl=self.attn_impl)
+                o_BTHV = jnp.einsum("bthk,hvk->bthv", o_lat_BTHK.astype(dt), w_uv_HVK)
+        else:
+            with jax.named_scope("mla_naive"):
+                # HF's form over this pass's own tokens (prefill from an empty cache / full forward).
+                k_nope_BSHN = jnp.einsum("bsk,hnk->bshn", ckv_BTK, w_uk_HNK)
+                v_BSHV = jnp.einsum("bsk,hvk->bshv", ckv_BTK, w_uv_HVK)
+                s_BHTS = (jnp.einsum("bthn,bshn->bhts", q_nope_BTHN, k_nope_BSHN, preferred_element_type=jnp.float32)
+                          + jnp.einsum("bthr,bsr->bhts", q_pe_BTHR, k_pe_BTR, preferred_element_type=jnp.float32))
+                s_BHTS = s_BHTS * scale
+                T = x_BTD.shape[1]
+                mask_TS = jnp.tril(jnp.ones((T, T), bool))
+                if tree_mask_BTT is not None:
+                    mask_BTS = tree_mask_BTT
+                else:
+                    mask_BTS = jnp.broadcast_to(mask_TS, (x_BTD.shape[0], T, T))
+                s_BHTS = jnp.where(mask_BTS[:, None], s_BHTS, -jnp.inf)
+                p_BHTS = jax.nn.softmax(s_BHTS, axis=-1).astype(dt)
+                o_BTHV = jnp.einsum("bhts,bshv->bthv", p_BHTS, v_BSHV)
+        out_BTD = jnp.einsum("bthv,dhv->btd", o_BTHV, w_o_DHV)
+        return out_BTD, cache_BLC

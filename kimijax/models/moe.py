@@ -1,0 +1,75 @@
+"""Kimi K2 MoE block: noaux_tc sigmoid router, routed experts (INT4 or bf16), one shared expert.
+
+Router (HF / DeepSeek-V3 "noaux_tc"): scores = sigmoid(x W_gate^T) in f32; e_score_correction_bias is
+added only to choose experts (optionally within the best `topk_group` of `n_group` groups, a group scored
+by the sum of its top-2 biased scores); the combine weights are the unbiased scores of the chosen experts,
+normalised (norm_topk_prob) and multiplied by routed_scaling_factor. The shared expert is not scaled.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kimijax.config import KimiConfig
+from kimijax.models.common import MLP, param
+from pallas_kernels.moe_int4 import moe
+
+
+def route(x_TD, w_gate_ED, bias_E, cfg: KimiConfig):
+    """-> (expert ids [T, k] int32, combine weights [T, k] f32)."""
+    logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), w_gate_ED.astype(jnp.float32))
+    s_TE = jax.nn.sigmoid(logits_TE)
+    sel_TE = s_TE + bias_E.astype(jnp.float32)[None]
+    if cfg.n_group > 1:
+        T, E = sel_TE.shape
+        g_TGe = sel_TE.reshape(T, cfg.n_group, E // cfg.n_group)
+        gscore_TG = jnp.sum(jax.lax.top_k(g_TGe, min(2, E // cfg.n_group))[0], axis=-1)
+        _, gidx = jax.lax.top_k(gscore_TG, cfg.topk_group)
+        keep_TG = jnp.zeros(gscore_TG.shape, bool).at[jnp.arange(T)[:, None], gidx].set(True)
+        sel_TE = jnp.where(jnp.repeat(keep_TG, E // cfg.n_group, axis=1), sel_TE, -jnp.inf)
+    _, ids_Tk = jax.lax.top_k(sel_TE, cfg.num_experts_per_tok)
+    w_Tk = jnp.take_along_axis(s_TE, ids_Tk, axis=1)
+    if cfg.norm_topk_prob:
+        w_Tk = w_Tk / (jnp.sum(w_Tk, axis=-1, keepdims=True) + 1e-20)
+    return ids_Tk.astype(jnp.int32), w_Tk * cfg.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    cfg: KimiConfig
+    dtype: jnp.dtype
+    moe_impl: str = "xla"
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        c = self.cfg
+        D, F, E = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
+        w_gate_ED = param(self, "gate", (E, D), ("expert", "embed"), self.dtype)
+        bias_E = param(self, "e_score_correction_bias", (E,), ("expert",), jnp.float32, init="normal")
+        if c.experts_int4:
+            G = c.quant_group_size
+            experts = {
+                "gate_packed": param(self, "gate_packed", (E, F, D // 8), ("expert", "expert_mlp", "embed_packed"), jnp.int32, init="bits"),
+                "gate_scale": param(self, "gate_scale", (E, F, D // G), ("expert", "expert_mlp", "embed_groups"), jnp.bfloat16, init="int4_scale", fan_in=D),
+                "up_packed": param(self, "up_packed", (E, F, D // 8), ("expert", "expert_mlp", "embed_packed"), jnp.int32, init="bits"),
+                "up_scale": param(self, "up_scale", (E, F, D // G), ("expert", "expert_mlp", "embed_groups"), jnp.bfloat16, init="int4_scale", fan_in=D),
+                "down_packed": param(self, "down_packed", (E, D, F // 8), ("expert", "embed", "expert_mlp_packed"), jnp.int32, init="bits"),
+                "down_scale": param(self, "down_scale", (E, D, F // G), ("expert", "embed", "expert_mlp_groups"), jnp.bfloat16, init="int4_scale", fan_in=F),
+            }
+        else:
+            experts = {
+                "gate": param(self, "gate_proj", (E, F, D), ("expert", "expert_mlp", "embed"), self.dtype),
+                "up": param(self, "up_proj", (E, F, D), ("expert", "expert_mlp", "embed"), self.dtype),
+                "down": param(self, "down_proj", (E, D, F), ("expert", "embed", "expert_mlp"), self.dtype),
+            }
+        B, T, _ = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        with jax.named_scope("router"):
+            ids_Tk, w_Tk = route(x_TD, w_gate_ED, bias_E, c)
+        with jax.named_scope("experts"):
+            y_TD = moe(x_TD, ids_Tk, w_Tk, experts, impl=self.moe_impl)
+        with jax.named_scope("shared_expert"):
+            shared = MLP(D, F * c.n_shared_experts, self.dtype, name="shared_experts")(x_BTD) if c.n_shared_experts else 0
+        self.sow("intermediates", "expert_ids", ids_Tk.reshape(B, T, -1))
+        return y_TD.reshape(B, T, D) + shared

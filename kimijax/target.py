@@ -1,0 +1,154 @@
+"""The target interface the engine and the drafter use, and its Kimi implementation.
+
+A target holds params and knows four pure functions (params passed explicitly so jitted programs never
+close over weights):
+  prefill(params, caches, tokens_BT, lens_B, capture)        prompt pass from an empty cache
+  verify(params, caches, tokens_BT, positions_BT, lengths_B, tree_mask_BTT, capture)
+                                                             T new tokens over the committed cache (AR step: T=1)
+  embed(params, tokens) / head(params, h)                    shared with the drafter
+Caches are a list (one entry per layer) of arrays whose axis 1 is the cache slot ([B, L, ...]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kimijax.config import KimiConfig
+from kimijax.models.common import causal_tree_mask
+from kimijax.models.kimi import Kimi
+
+
+def gather_rows(x_BT, idx_B):
+    return x_BT[jnp.arange(x_BT.shape[0]), idx_B]
+
+
+def compact_caches(caches, lengths_B, path_BP, n_B):
+    """Move accepted tree rows to the committed slots: slot S+path[j] -> S+j for j < n.
+
+    path is strictly increasing with path[j] >= j, so reading every source row before writing is safe.
+    Rows j >= n are written back unchanged (static shapes).
+    """
+    P = path_BP.shape[1]
+    j_P = jnp.arange(P, dtype=jnp.int32)
+    src_BP = lengths_B[:, None] + jnp.where(j_P[None] < n_B[:, None], path_BP, j_P[None])
+    dst_BP = lengths_B[:, None] + j_P[None]
+
+    def one(c):
+        rows = jnp.take_along_axis(c, src_BP.reshape(src_BP.shape + (1,) * (c.ndim - 2)), axis=1)
+        return jax.vmap(lambda cb, rb, s: jax.lax.dynamic_update_slice_in_dim(cb, rb, s, axis=0))(
+            c, rows, dst_BP[:, 0])
+
+    return [one(c) for c in caches]
+
+
+@dataclasses.dataclass
+class KimiTarget:
+    cfg: KimiConfig
+    params: Any
+    attn_impl: str = "xla"
+    moe_impl: str = "xla"
+    tokenizer: Any = None
+    name: str = "kimi"
+    random_weights: bool = False
+    source: str = ""
+
+    def __post_init__(self):
+        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl)
+        self._forward = jax.jit(self._forward_fn)
+
+    # ---- facts the engine needs
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.cfg.eos_token_ids)
+
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    def init_cache(self, B: int, L: int):
+        return [jnp.zeros((B, L, self.cfg.latent_dim), self.dtype) for _ in range(self.num_layers)]
+
+    # ---- pure functions
+    def _apply(self, params, *args, method=None, **kw):
+        return self.module.apply({"params": params}, *args, method=method, **kw)
+
+    def embed(self, params, tokens):
+        return self._apply(params, tokens, method=Kimi.embed)
+
+    def head(self, params, h_BTD):
+        return self._apply(params, h_BTD, method=Kimi.logits)
+
+    def prefill(self, params, caches, tokens_BT, lens_B, capture=()):
+        """Prompt pass (naive MLA) writing cache slots 0..T-1. -> (last-token logits [B,V], caches, captured)."""
+        B, T = tokens_BT.shape
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h, caches, cap = self._apply(params, tokens_BT, pos_BT, caches, jnp.zeros((B,), jnp.int32),
+                                     causal_tree_mask(B, T), absorbed=False, capture_layers=tuple(capture))
+        h_last = gather_rows(h, lens_B - 1)[:, None]
+        return self.head(params, h_last)[:, 0], caches, cap
+
+    def verify(self, params, caches, tokens_BT, positions_BT, lengths_B, tree_mask_BTT, capture=(),
+               with_experts: bool = False):
+        """T new tokens at cache slots lengths..lengths+T-1 (absorbed MLA). -> (logits [B,T,V] f32, caches, captured[, ids])."""
+        out, state = self._apply(params, tokens_BT, positions_BT, caches, lengths_B, tree_mask_BTT,
+                                 absorbed=True, capture_layers=tuple(capture), mutable=["intermediates"])
+        h, caches, cap = out
+        logits = self.head(params, h)
+        if with_experts:
+            return logits, caches, cap, expert_ids(state, self.cfg)
+        return logits, caches, cap
+
+    def _forward_fn(self, params, tokens_BT):
+        B, T = tokens_BT.shape
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h, _, _ = self._apply(params, tokens_BT, pos_BT)
+        return self.head(params, h)
+
+    def forward(self, tokens_BT):
+        """Full-sequence forward without a cache (naive MLA) -> f32 logits [B, T, V]."""
+        return self._forward(self.params, jnp.asarray(tokens_BT, jnp.int32))
+
+
+def expert_ids(state, cfg: KimiConfig):
+    """Routed expert ids per MoE layer from the sown intermediates -> int32 [n_moe, B, T, k]."""
+    inter = state.get("intermediates", {})
+    ids = [inter[f"layers_{i}"]["mlp"]["expert_ids"][0] for i in range(cfg.num_hidden_layers)
+           if cfg.is_moe_layer(i) and f"layers_{i}" in inter]
+    return jnp.stack(ids) if ids else jnp.zeros((0,), jnp.int32)
+
+
+def random_kimi_params(cfg: KimiConfig, seed: int = 0):
+    """Random weights (INT4 experts in the real packed layout) for tests and benchmarks."""
+    from flax.core import meta
+
+    module = Kimi(cfg)
+    toks = jnp.zeros((1, 2), jnp.int32)
+    params = jax.jit(lambda k: module.init(k, toks, method=Kimi.init_all))(jax.random.PRNGKey(seed))["params"]
+    return meta.unbox(params)
+
+
+def abstract_params(cfg: KimiConfig):
+    """ShapeDtypeStructs with logical axis names (boxed), without allocating anything."""
+    module = Kimi(cfg)
+    toks = jnp.zeros((1, 2), jnp.int32)
+    return jax.eval_shape(lambda k: module.init(k, toks, method=Kimi.init_all), jax.random.PRNGKey(0))["params"]

@@ -1,0 +1,18 @@
+import os
+
+os.environ.setdefault("KIMIJAX_CACHE", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "kimijax"))
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_f32():
+    """A tiny random Kimi target in float32 (INT4 experts)."""
+    from kimijax.config import TINY
+    from kimijax.target import KimiTarget, random_kimi_params
+
+    cfg = dataclasses.replace(TINY, dtype="float32")
+    return KimiTarget(cfg, random_kimi_params(cfg, seed=0), random_weights=True)
