@@ -49,6 +49,16 @@ def _run(args) -> int:
 
     import kimijax
     from kimijax import defaults
+    from kimijax.sampling import check_sampling_params
+
+    # cheap checks before loading anything
+    check_sampling_params(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 1 <= args.budget <= 128:
+        raise ValueError(f"--budget must be in 1..128, got {args.budget}")
+    if args.method in ("dflash", "ddtree") and not args.drafter and args.model is not None:
+        raise ValueError(f"--method {args.method} needs a drafter (--drafter PATH)")
 
     random_note = None
     model = args.model

@@ -55,8 +55,7 @@ def _bucket(n: int, minimum: int = 8) -> int:
 
 def row_sample(keys_B, logits_BV, temperature_B, top_k_B, top_p_B):
     """One sample per row with the row's own key (independent of batch composition)."""
-    return jax.vmap(lambda k, l, t, tk, tp: sample_tokens(k, l[None], t[None], tk[None], tp[None])[0])(
-        keys_B, logits_BV, temperature_B, top_k_B, top_p_B)
+    return sample_tokens(keys_B, logits_BV, temperature_B, top_k_B, top_p_B)
 
 
 def row_keys(st):
@@ -95,6 +94,8 @@ class Engine:
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
         self._chunk = jax.jit(self._chunk_fn, static_argnums=(3,), donate_argnums=(1,))
         self.last_stats: dict[str, Any] = {}
+        self._compiled: dict = {}
+        self.last_compile_s = 0.0
 
     # ------------------------------------------------------------ sizes
     @property
@@ -218,15 +219,27 @@ class Engine:
             caches=caches, lengths=jnp.asarray(lens), bonus=first_B, out=out, n_out=jnp.ones((B,), jnp.int32),
             done=done, keys=keys_B, temperature=jnp.asarray(temp), top_k=jnp.asarray(tk), top_p=jnp.asarray(tp),
             stop_ids=stops_j, max_new=jnp.full((B,), max_new_tokens, jnp.int32),
-            acc_hist=jnp.zeros((B, R), jnp.int32), n_rounds=jnp.zeros((B,), jnp.int32), **extra)
+            acc_hist=jnp.zeros((B, R), jnp.int32), n_rounds=jnp.zeros((B,), jnp.int32),
+            round=jnp.zeros((), jnp.int32), **extra)
         record = dict(B=B, lens=lens, max_new=max_new_tokens)
         return record, state
+
+    def _chunk_program(self, state, dparams):
+        """The compiled chunk program for this state's shapes (compiled once, timed separately)."""
+        sig = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), (dict(state), dparams))
+        key = (jax.tree_util.tree_structure(sig), tuple(jax.tree_util.tree_leaves(sig)))
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[key] = self._chunk.lower(self.target.params, state, dparams, self.chunk_rounds).compile()
+            self.last_compile_s = time.perf_counter() - t0
+        return self._compiled[key]
 
     def stream(self, prompts, **kw) -> Iterator[list[list[int]]]:
         """Yield, after each device chunk, the new tokens of every request since the previous chunk."""
         record, state = self.start(prompts, **kw)
         seen = np.zeros(record["B"], np.int64)
         dparams = None if self.drafter is None else self.drafter.params
+        run = self._chunk_program(state, dparams)
         while True:
             n_out = np.asarray(state["n_out"])
             out = np.asarray(state["out"])
@@ -234,24 +247,32 @@ class Engine:
             seen = n_out.copy()
             if bool(np.all(np.asarray(state["done"]))):
                 break
-            state = self._chunk(self.target.params, state, dparams, self.chunk_rounds)
-        self._final_state = state
+            state = run(self.target.params, state, dparams)
 
     def generate(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
                  stop_ids: Sequence[int] | None = None) -> list[GenerationResult]:
+        """Generate for a list of prompts. `last_stats` gets timings (compile time excluded from decode)."""
         t0 = time.perf_counter()
         record, state = self.start(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k, seed=seed, stop_ids=stop_ids)
         jax.block_until_ready(state["out"])
         t1 = time.perf_counter()
         dparams = None if self.drafter is None else self.drafter.params
-        while not bool(np.all(np.asarray(state["done"]))):
-            state = self._chunk(self.target.params, state, dparams, self.chunk_rounds)
+        self.last_compile_s = 0.0
+        run = self._chunk_program(state, dparams)
         t2 = time.perf_counter()
+        n_chunks = 0
+        while not bool(np.all(np.asarray(state["done"]))):
+            state = run(self.target.params, state, dparams)
+            n_chunks += 1
+        jax.block_until_ready(state["out"])
+        t3 = time.perf_counter()
         results = self._results(record, state)
         n_new = sum(len(r.tokens) for r in results)
-        self.last_stats = dict(prefill_s=t1 - t0, decode_s=t2 - t1, new_tokens=n_new,
-                               decode_tokens_per_s=(n_new - len(results)) / max(t2 - t1, 1e-9),
+        rounds = int(np.asarray(state["n_rounds"]).max())
+        self.last_stats = dict(prefill_s=t1 - t0, compile_s=self.last_compile_s, decode_s=t3 - t2,
+                               new_tokens=n_new, rounds=rounds, chunks=n_chunks,
+                               decode_tokens_per_s=(n_new - len(results)) / max(t3 - t2, 1e-9),
                                mean_acceptance=float(np.mean([a for r in results for a in r.acceptance_lengths]))
                                if any(r.acceptance_lengths for r in results) else float("nan"))
         if self.round is not None and "experts" in state:  # mean over rounds, per request and MoE layer

@@ -17,6 +17,7 @@ k kv heads, g query heads per kv head, e head dim, M mlp hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import zlib
@@ -201,6 +202,8 @@ class DrafterConfig:
         yarn, yaf = None, "ratio"
         if rs is not None:
             rtype = rs.get("rope_type", rs.get("type"))
+            if "rope_type" in rs and "type" in rs and rs["type"] != rs["rope_type"]:
+                raise ConfigError(f"rope_scaling has rope_type={rs['rope_type']!r} but type={rs['type']!r}")
             if rtype == "yarn":
                 if rs.get("truncate") is False:
                     raise ConfigError("unsupported rope_scaling.truncate=false (kimijax implements truncated YaRN)")
@@ -274,8 +277,6 @@ class DrafterConfig:
     def to_hf(self) -> dict[str, Any]:
         """A z-lab-format config.json dict (what save_drafter writes)."""
         dc: dict[str, Any] = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
-        if self.is_causal is not None:
-            dc["is_causal"] = self.is_causal
         if self.input_embedding_scale != 1.0:
             dc["input_embedding_scale"] = self.input_embedding_scale
         if self.output_multiplier != 1.0:
@@ -303,6 +304,8 @@ class DrafterConfig:
         }
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
+        if self.is_causal is not None:  # the z-lab reference reads it from the top level
+            out["is_causal"] = self.is_causal
         if self.vocab_size is not None:
             out["vocab_size"] = self.vocab_size
         if self.rope_scaling is not None:
@@ -603,15 +606,20 @@ def abstract_drafter_params(cfg: DrafterConfig):
                           jax.random.PRNGKey(0))["params"]
 
 
+@functools.lru_cache(maxsize=8)
+def _jitted_init(cfg: DrafterConfig):
+    module = DFlash(cfg)
+    return jax.jit(lambda k: module.init(k, *_init_inputs(cfg), method=DFlash.init_all))
+
+
 def random_drafter(cfg: DrafterConfig, target=None, seed: int = 0) -> Drafter:
     """Random weights (norm weights perturbed around 1 so tests see them) for tests and benchmarks."""
     from flax.core import meta
 
     if target is not None:
         check_compatible(cfg, target)
-    module = DFlash(cfg)
     key = jax.random.PRNGKey(seed)
-    params = jax.jit(lambda k: module.init(k, *_init_inputs(cfg), method=DFlash.init_all))(key)["params"]
+    params = _jitted_init(cfg)(key)["params"]
     params = meta.unbox(params)
     nkey = jax.random.fold_in(key, 1)
 
@@ -741,7 +749,7 @@ def load_drafter(path: str | os.PathLike, target, dtype: str | None = None,
             arr = handles[where[n]].get_tensor(n)
         except Exception as e:  # noqa: BLE001
             raise DrafterError(f"cannot read tensor {n!r} from {where[n]}: {e}") from None
-        arr = np.asarray(arr).astype(np_dt).reshape(pshape)
+        arr = np.asarray(arr).astype(np_dt, copy=False).reshape(pshape)
         flat[ppath] = jax.device_put(arr, None if sh_flat is None else sh_flat.get(ppath))
     return Drafter(cfg, _unflatten(flat), source=str(p))
 

@@ -79,7 +79,7 @@ class Kimi(nn.Module):
             new_caches.append(cache)
             if i in capture_layers:
                 captured.append(x_BTD)
-        cap = jnp.stack([captured[sorted(capture_layers).index(l)] for l in capture_layers]) if capture_layers \
+        cap = jnp.stack([captured[sorted(set(capture_layers)).index(l)] for l in capture_layers]) if capture_layers \
             else jnp.zeros((0,) + x_BTD.shape, x_BTD.dtype)
         return self.norm(x_BTD), (None if caches is None else new_caches), cap
 

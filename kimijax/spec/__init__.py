@@ -1,0 +1,1 @@
+"""Speculative decoding pieces: DDTree build (`ddtree`), acceptance (`accept`), and one round (`round`)."""

@@ -1,0 +1,115 @@
+"""Acceptance for a verified draft tree: per-node target choices, the walk, and the emitted tokens.
+
+Lossless rule (DDTree reference): the target makes ONE choice per tree node from its own distribution at that
+node's prefix (argmax, or an independent sample under the request's temperature/top-k/top-p with a key per
+node). Walking from the root while the choice equals a child's token, every emitted token is then a fresh
+target sample given the committed prefix; the tree only decides how many of them were pre-computed. No draft
+probabilities are needed, and siblings need no special handling (they carry distinct tokens).
+
+All functions handle one request with static shapes; vmap over the batch (or use `node_choices_batched`).
+Row i of the verify logits is the target's distribution for the token AFTER node i's prefix.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kimijax.sampling import sample_tokens
+from kimijax.spec.ddtree import Tree
+
+__all__ = ["node_choices", "node_choices_batched", "walk", "emitted_tokens", "Emitted"]
+
+
+def _split_per_node(key, n: int):
+    return jax.random.split(key, n)
+
+
+def node_choices(key, target_logits_NV, temperature, top_k, top_p):
+    """One target choice per node -> int32 [N+1]. Scalar (per-request) sampling params; temperature <= 0 = argmax.
+
+    Node i uses key `jax.random.split(key, N+1)[i]`, so a node's sample depends only on its own key and logits.
+    """
+    with jax.named_scope("node_choices"):
+        n1 = target_logits_NV.shape[0]
+        keys_N = _split_per_node(key, n1)
+        bc = lambda x: jnp.broadcast_to(jnp.asarray(x), (n1,))
+        return sample_tokens(keys_N, target_logits_NV, bc(temperature), bc(top_k), bc(top_p))
+
+
+def node_choices_batched(keys_B, target_logits_BNV, temperature_B, top_k_B, top_p_B):
+    """`node_choices` over a batch of requests (same results row by row) -> int32 [B, N+1].
+
+    Prefer this to vmap(node_choices): the sampler skips its vocab sort when no row uses top-k/top-p, and that
+    branch only survives outside vmap.
+    """
+    with jax.named_scope("node_choices"):
+        B, n1 = target_logits_BNV.shape[:2]
+        keys_BN = jax.vmap(lambda k: _split_per_node(k, n1))(keys_B)
+        per_node = lambda x: jnp.broadcast_to(jnp.asarray(x)[:, None], (B, n1))
+        return sample_tokens(keys_BN, target_logits_BNV, per_node(temperature_B), per_node(top_k_B),
+                             per_node(top_p_B))
+
+
+def walk(tree: Tree, choices_N, max_depth: int | None = None):
+    """Follow the target's choices down the tree.
+
+    Returns (path [L+1] int32 node indices, root first, padded with -1; n_accepted int32 = number of path nodes
+    including the root = tau = accepted draft tokens + 1; bonus int32 = choice at the last path node).
+    """
+    L = tree.max_depth if max_depth is None else int(max_depth)
+    with jax.named_scope("accept_walk"):
+        n1 = tree.tokens.shape[0]
+        choices_N = choices_N.astype(jnp.int32)
+        is_node = tree.valid & (jnp.arange(n1) > 0)
+
+        def step(s, carry):
+            path, cur, n, done = carry
+            # Children carry distinct tokens, so at most one matches.
+            match = is_node & (tree.parents == cur) & (tree.tokens == choices_N[cur])
+            move = ~done & jnp.any(match)
+            child = jnp.argmax(match).astype(jnp.int32)
+            path = path.at[s + 1].set(jnp.where(move, child, path[s + 1]))
+            return path, jnp.where(move, child, cur), n + move.astype(jnp.int32), done | ~move
+
+        path0 = jnp.full((L + 1,), -1, jnp.int32).at[0].set(0)
+        # A node at depth L has no children, so L steps always finish the walk.
+        path, cur, n, _ = jax.lax.fori_loop(0, L, step, (path0, jnp.int32(0), jnp.int32(1), jnp.bool_(False)))
+        return path, n, choices_N[cur]
+
+
+class Emitted(NamedTuple):
+    tokens: jax.Array  # int32 [L+1]: tree tokens at path[1:n] then the bonus; padded with -1 after `count`
+    count: jax.Array  # int32: tokens to emit/commit this round (after stop / max_emit truncation)
+    stopped: jax.Array  # bool: a stop token is among the first `count` tokens (it is the last one kept)
+
+
+def emitted_tokens(tree: Tree, path, n_accepted, bonus, stop_ids=None, max_emit=None) -> Emitted:
+    """Tokens emitted this round: tree tokens at path[1:n] followed by the bonus (n tokens; the root's token was
+    emitted last round).
+
+    `stop_ids` int32 [S] (entries < 0 are padding): truncate after the first stop token and report stopped.
+    `max_emit` (int32, e.g. the request's remaining token budget): cap the count first; stop tokens past the
+    cap are not seen. Without truncation the engine commits the n path nodes to the cache and `bonus` becomes
+    the next round's root; with truncation the request is finished.
+    """
+    with jax.named_scope("emitted_tokens"):
+        P = path.shape[0]  # L + 1
+        j_P = jnp.arange(P, dtype=jnp.int32)
+        nxt_P = jnp.concatenate([path[1:], jnp.full((1,), -1, jnp.int32)])
+        tree_tok_P = tree.tokens[jnp.clip(nxt_P, 0, None)]
+        n = n_accepted.astype(jnp.int32)
+        toks_P = jnp.where(j_P < n - 1, tree_tok_P, jnp.where(j_P == n - 1, bonus.astype(jnp.int32), -1))
+        limit = n if max_emit is None else jnp.clip(jnp.asarray(max_emit, jnp.int32), 0, n)
+        if stop_ids is None:
+            is_stop_P = jnp.zeros((P,), bool)
+        else:
+            stop_S = jnp.asarray(stop_ids, jnp.int32).reshape(-1)
+            is_stop_P = jnp.any((toks_P[:, None] == stop_S[None, :]) & (stop_S[None, :] >= 0), axis=1)
+        is_stop_P &= j_P < limit
+        stopped = jnp.any(is_stop_P)
+        count = jnp.where(stopped, jnp.argmax(is_stop_P).astype(jnp.int32) + 1, limit)
+        toks_P = jnp.where(j_P < count, toks_P, -1)
+        return Emitted(tokens=toks_P, count=count, stopped=stopped)

@@ -1,0 +1,238 @@
+"""DDTree: device-side draft-tree construction from per-depth DFlash logits.
+
+The tree is the `budget` highest-scoring prefixes, where a prefix (x_1..x_d) scores sum_d log q_d(x_d) under
+the drafter's per-depth marginals q_d (T=1 log-softmax of the raw draft logits, independent of the request's
+sampling temperature), restricted to the per-depth top-K tokens. Nodes come out in the pop order of the
+reference best-first heap (liranringel/ddtree `build_ddtree_tree`):
+
+  seed: (rank 0 at depth 1, parent = root)
+  pop the best candidate -> emit it as the next node;
+  push its next sibling (same parent, rank + 1 at the same depth) if rank + 1 < K;
+  push its first child (rank 0 at depth + 1) if depth < L.
+
+Tie-break (matches the reference heap, whose entries are tuples (-score, ranks, ...)): higher score first; on
+equal score, the lexicographically smaller per-depth rank tuple (r_1, ..., r_d) first, where a tuple sorts
+before its own extensions (so a parent precedes its child, rank 0 precedes rank 1). The ranks tuple uniquely
+identifies a prefix, so the order is total. Because every push has a score <= its generator and a larger
+ranks tuple, pop order is the global sort of all prefixes by that key, and the budget-b tree is a prefix of
+the budget-b' tree for b < b' (given the same K cap). Scores are accumulated as f32 sums along the path in
+depth order (score(child) = score(parent) + logp), never by subtract-and-add, so equal paths tie exactly.
+
+Device formulation: a parent has at most one candidate child in the heap at any time (its children are
+pushed as a sibling chain), so the frontier is one slot per emitted node (root included): slot j holds the
+rank of node j's next candidate child. Each of the N steps of a `lax.fori_loop` pops the best slot with one
+variadic reduce (max score, then lexicographic rank path), emits the node, advances that slot's rank and
+opens the new node's own slot. Work O(N (N + L)) per request; no scatters or gathers in the loop body, so it
+vmaps cleanly and compiles fast. NaN draft logits are not supported (they break the total order).
+
+Tree layout (N+1 slots, root = the bonus token at index 0, drafted nodes 1..N in pop order, so parents
+always precede children and siblings appear in rank order):
+  tokens         int32 [N+1]   root = -1 (the caller fills in the bonus token); invalid nodes -1
+  parents        int32 [N+1]   root -1; invalid -1
+  depths         int32 [N+1]   root 0; invalid 0; the verify position of node i is S + depths[i]
+  ranks          int32 [N+1]   rank of the node's token in its depth's top-K; root/invalid -1
+  scores         f32   [N+1]   path log-prob under the draft marginals; root 0; invalid -inf
+  valid          bool  [N+1]   root True; nodes past the number of existing prefixes (tiny V*L) False
+  ancestor_mask  bool  [N+1, N+1]  row i = ancestors of i and i itself; invalid rows see only themselves
+  first_child    int32 [N+1]   lowest-index (= rank-0-most) child, -1 if none    (left-child/right-sibling
+  next_sibling   int32 [N+1]   next child of the same parent, -1 if none          form for EAGLE-style kernels)
+  max_depth      static int    L, the number of drafted depths (pytree metadata, not an array)
+Valid nodes are always a contiguous prefix 0..n_valid-1. The acceptance walk (spec/accept.py) matches a
+choice against children by scanning `parents` (O(N) per step); first_child/next_sibling are for consumers
+that want the linked form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Tree", "build_tree", "build_tree_batched", "build_tree_from_topk", "chain_tree", "tree_width"]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "parents", "depths", "ranks", "scores", "valid", "ancestor_mask", "first_child",
+                 "next_sibling"],
+    meta_fields=["max_depth"])
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """A draft tree (pytree; vmap adds a leading axis to every array field). See the module docstring."""
+
+    tokens: jax.Array  # int32 [N+1]
+    parents: jax.Array  # int32 [N+1]
+    depths: jax.Array  # int32 [N+1]
+    ranks: jax.Array  # int32 [N+1]
+    scores: jax.Array  # f32 [N+1]
+    valid: jax.Array  # bool [N+1]
+    ancestor_mask: jax.Array  # bool [N+1, N+1]
+    first_child: jax.Array  # int32 [N+1]
+    next_sibling: jax.Array  # int32 [N+1]
+    max_depth: int  # static L (= block_size - 1): bounds the acceptance walk and the emitted-token width
+
+    def replace(self, **kw) -> "Tree":
+        return dataclasses.replace(self, **kw)
+
+
+def tree_width(budget: int, vocab: int, topk_cap: int | None = None) -> int:
+    """Per-depth candidate count K = min(budget, V, topk_cap). More than `budget` ranks can never be used."""
+    if int(budget) < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    k = min(int(budget), int(vocab))
+    if topk_cap is not None:
+        if topk_cap < 1:
+            raise ValueError(f"topk_cap must be >= 1, got {topk_cap}")
+        k = min(k, int(topk_cap))
+    return k
+
+
+def _links(parents_N1, valid_N1):
+    """first_child / next_sibling from the parent array (children sorted by index = pop = rank order)."""
+    n1 = parents_N1.shape[0]
+    idx_N1 = jnp.arange(n1, dtype=jnp.int32)
+    big = jnp.int32(n1)
+    # is_child_PC[p, c]: c is a valid child of p.
+    is_child_PC = (parents_N1[None, :] == idx_N1[:, None]) & valid_N1[None, :]
+    first = jnp.min(jnp.where(is_child_PC, idx_N1[None, :], big), axis=1)
+    # Later sibling: same parent, higher index.
+    same_parent_IJ = (parents_N1[:, None] == parents_N1[None, :]) & (parents_N1[:, None] >= 0)
+    later_IJ = same_parent_IJ & valid_N1[None, :] & (idx_N1[None, :] > idx_N1[:, None])
+    nxt = jnp.min(jnp.where(later_IJ, idx_N1[None, :], big), axis=1)
+    to_link = lambda x: jnp.where(x == big, -1, x).astype(jnp.int32)
+    return to_link(first), jnp.where(valid_N1, to_link(nxt), -1)
+
+
+def _pick_better(n_keys: int, a, b):
+    """Combiner for the frontier pop over tuples (live, score, rank path..., slot, payload...): keep the entry
+    whose (live, score, -rank path..., -slot) is lexicographically larger; payload rides along. The key is a
+    total order (slots are unique), so the reduction is associative and commutative as XLA requires."""
+    better = a[0] & ~b[0]
+    tie = a[0] == b[0]
+    better |= tie & (a[1] > b[1])
+    tie &= a[1] == b[1]
+    for x, y in zip(a[2:n_keys], b[2:n_keys]):  # rank path columns, then the slot index: smaller wins
+        better |= tie & (x < y)
+        tie &= x == y
+    return tuple(jnp.where(better, x, y) for x, y in zip(a, b))
+
+
+def build_tree_from_topk(top_logp_LK, top_tokens_LK, budget: int) -> Tree:
+    """Best-first tree from per-depth top-K (log-probs sorted descending, with their token ids).
+
+    Split out of `build_tree` so a tensor-parallel caller can merge per-shard top-K instead of gathering
+    full-vocab logits.
+    """
+    L, K = top_logp_LK.shape
+    N = int(budget)
+    if N < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    n1 = N + 1
+    top_logp_LK = top_logp_LK.astype(jnp.float32)
+    top_tokens_LK = top_tokens_LK.astype(jnp.int32)
+    idx_N1 = jnp.arange(n1, dtype=jnp.int32)
+    depth_iota_L = jnp.arange(L, dtype=jnp.int32)
+
+    # Per-node integer state packed in one [N+1, 4+L] array (few ops per step keeps XLA compile time low):
+    # parent, depth, rank, next candidate child's rank (the frontier slot), then the rank path.
+    PAR, DEP, RNK, NXT, RP = 0, 1, 2, 3, 4
+    with jax.named_scope("ddtree_frontier"):
+        # rank path row = (r_1 + 1, ..., r_d + 1, 0, ...): +1 so a tuple sorts before its extensions under a
+        # plain lexicographic integer compare. NXT = K means no pending candidate child (exhausted, at depth L,
+        # or not emitted).
+        empty_row = jnp.concatenate([jnp.array([-1, 0, -1, K], jnp.int32), jnp.zeros((L,), jnp.int32)])
+        meta0 = jnp.tile(empty_row[None, :], (n1, 1)).at[0, NXT].set(0)
+        scores0 = jnp.full((n1,), -jnp.inf, jnp.float32).at[0].set(0.0)
+
+        def step(t, carry):
+            meta, scores = carry
+            depth, nxt = meta[:, DEP], meta[:, NXT]
+            # Frontier slot j = node j's next candidate child; live iff it has one.
+            cand_ok = nxt < K
+            d0 = jnp.clip(depth, 0, L - 1)  # 0-based depth row of the candidate child
+            r0 = jnp.clip(nxt, 0, K - 1)
+            cand_score = jnp.where(cand_ok, scores + top_logp_LK[d0, r0], -jnp.inf)
+            # Candidate's ranks tuple = its parent's with the child's depth column set to rank + 1.
+            cand_path = meta[:, RP:] + jnp.where(depth_iota_L[None, :] == depth[:, None], nxt[:, None] + 1, 0)
+            # Pop = max score, then lexicographically smallest ranks tuple (the reference heap's tuple order),
+            # as one variadic reduce (cheaper to compile than L masked passes). Keys are unique per live slot;
+            # the slot index only orders the dead ones. Equal -inf scores (zero draft mass) tie exactly too.
+            # Candidate fields ride along in the reduce, so the winner needs no gathers (and the step has no
+            # scatters: writes are one-hot selects, which stay cheap under vmap).
+            ops = (cand_ok, cand_score, *[cand_path[:, d] for d in range(L)], idx_N1, depth, nxt)
+            init = ((jnp.bool_(False), jnp.float32(-jnp.inf)) + (jnp.int32(0),) * L
+                    + (jnp.int32(n1), jnp.int32(0), jnp.int32(0)))
+            won = jax.lax.reduce(ops, init, functools.partial(_pick_better, L + 3), (0,))
+            any_live, score_p, path_p, (p, depth_p, r_new) = won[0], won[1], won[2:2 + L], won[2 + L:]
+            i = t + 1  # the new node's index = pop order
+            d_new = depth_p + 1
+            row = jnp.stack([p, d_new, r_new, jnp.where(d_new < L, 0, K), *path_p])
+            at_i, at_p = idx_N1 == i, (idx_N1 == p) & any_live
+            meta = jnp.where(at_i[:, None], jnp.where(any_live, row, empty_row)[None, :], meta)
+            # The popped slot moves on to its next sibling (exhausted at rank K).
+            meta = meta.at[:, NXT].set(jnp.where(at_p, r_new + 1, meta[:, NXT]))
+            scores = jnp.where(at_i, jnp.where(any_live, score_p, -jnp.inf), scores)
+            return meta, scores
+
+        meta, scores = jax.lax.fori_loop(0, N, step, (meta0, scores0))
+
+    with jax.named_scope("ddtree_layout"):
+        parents, depths, ranks = meta[:, PAR], meta[:, DEP], meta[:, RNK]
+        valid = (idx_N1 == 0) | (parents >= 0)
+        tokens = jnp.where(valid & (idx_N1 > 0),
+                           top_tokens_LK[jnp.clip(depths - 1, 0, L - 1), jnp.clip(ranks, 0, K - 1)], -1)
+        # Ancestor-or-self mask by chasing parent pointers (depth <= L, so L hops reach the root).
+        anc = jnp.eye(n1, dtype=bool)
+        cur = idx_N1
+        for _ in range(L):
+            cur = jnp.where(cur >= 0, parents[jnp.clip(cur, 0, None)], -1)
+            anc |= (cur[:, None] == idx_N1[None, :])
+        first_child, next_sibling = _links(parents, valid)
+    return Tree(tokens=tokens, parents=parents, depths=depths, ranks=ranks, scores=scores, valid=valid,
+                ancestor_mask=anc, first_child=first_child, next_sibling=next_sibling, max_depth=L)
+
+
+def build_tree(draft_logits_LV, budget: int, topk_cap: int | None = None) -> Tree:
+    """DDTree for one request from the drafter's logits for depths 1..L. `budget` (= N) and `topk_cap` static."""
+    L, V = draft_logits_LV.shape
+    K = tree_width(budget, V, topk_cap)
+    with jax.named_scope("ddtree_topk"):
+        # T=1 log-softmax of the raw draft logits (tree scores ignore the request temperature). lax.top_k
+        # returns equal values in ascending index order, the per-depth rank tie-break.
+        logp_LV = jax.nn.log_softmax(draft_logits_LV.astype(jnp.float32), axis=-1)
+        top_logp_LK, top_tokens_LK = jax.lax.top_k(logp_LV, K)
+    return build_tree_from_topk(top_logp_LK, top_tokens_LK, budget)
+
+
+def build_tree_batched(draft_logits_BLV, budget: int, topk_cap: int | None = None) -> Tree:
+    """`build_tree` vmapped over requests: every Tree field gains a leading B axis."""
+    return jax.vmap(functools.partial(build_tree, budget=budget, topk_cap=topk_cap))(draft_logits_BLV)
+
+
+def chain_tree(draft_logits_LV) -> Tree:
+    """The DFlash chain (argmax at every depth, N = L, node i at depth i) in the Tree format."""
+    L, V = draft_logits_LV.shape
+    n1 = L + 1
+    with jax.named_scope("chain_tree"):
+        logp_LV = jax.nn.log_softmax(draft_logits_LV.astype(jnp.float32), axis=-1)
+        tok_L = jnp.argmax(logp_LV, axis=-1).astype(jnp.int32)
+        lp_L = jnp.max(logp_LV, axis=-1)
+        idx_N1 = jnp.arange(n1, dtype=jnp.int32)
+        # Sequential f32 sum in depth order, same rule as build_tree's scores.
+        _, cum_L = jax.lax.scan(lambda c, x: (c + x, c + x), jnp.float32(0.0), lp_L)
+        scores = jnp.concatenate([jnp.zeros((1,), jnp.float32), cum_L])
+        parents = idx_N1 - 1
+        return Tree(
+            tokens=jnp.concatenate([jnp.full((1,), -1, jnp.int32), tok_L]),
+            parents=parents,
+            depths=idx_N1,
+            ranks=jnp.where(idx_N1 == 0, -1, 0).astype(jnp.int32),
+            scores=scores,
+            valid=jnp.ones((n1,), bool),
+            ancestor_mask=idx_N1[None, :] <= idx_N1[:, None],
+            first_child=jnp.where(idx_N1 < L, idx_N1 + 1, -1).astype(jnp.int32),
+            next_sibling=jnp.full((n1,), -1, jnp.int32),
+            max_depth=L,
+        )
