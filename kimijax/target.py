@@ -55,9 +55,11 @@ class KimiTarget:
     name: str = "kimi"
     random_weights: bool = False
     source: str = ""
+    expert_fn: Any = None  # routed-expert override (expert parallelism); see sharding/moe_ep.py
+    mesh: Any = None
 
     def __post_init__(self):
-        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl)
+        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn)
         self._forward = jax.jit(self._forward_fn)
 
     # ---- facts the engine needs

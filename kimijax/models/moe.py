@@ -8,6 +8,8 @@ normalised (norm_topk_prob) and multiplied by routed_scaling_factor. The shared 
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,7 @@ class MoE(nn.Module):
     cfg: KimiConfig
     dtype: jnp.dtype
     moe_impl: str = "xla"
+    expert_fn: Any = None  # optional override (e.g. sharding.moe_ep): fn(x_TD, ids_Tk, w_Tk, experts, impl) -> y_TD
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -68,7 +71,10 @@ class MoE(nn.Module):
         with jax.named_scope("router"):
             ids_Tk, w_Tk = route(x_TD, w_gate_ED, bias_E, c)
         with jax.named_scope("experts"):
-            y_TD = moe(x_TD, ids_Tk, w_Tk, experts, impl=self.moe_impl)
+            if self.expert_fn is not None:
+                y_TD = self.expert_fn(x_TD, ids_Tk, w_Tk, experts, self.moe_impl)
+            else:
+                y_TD = moe(x_TD, ids_Tk, w_Tk, experts, impl=self.moe_impl)
         with jax.named_scope("shared_expert"):
             shared = MLP(D, F * c.n_shared_experts, self.dtype, name="shared_experts")(x_BTD) if c.n_shared_experts else 0
         self.sow("intermediates", "expert_ids", ids_Tk.reshape(B, T, -1))
