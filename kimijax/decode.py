@@ -65,13 +65,15 @@ def _run(args) -> int:
     if model is None:
         model = str(defaults.embedded_default_dir())
         random_note = (f"note: no --model given; running the embedded default {defaults.EMBEDDED_NAME}: a tiny "
-                       "Kimi-architecture checkpoint with RANDOM weights (its output is meaningless text)")
+                       "Kimi-architecture checkpoint and DFlash drafter with RANDOM weights (meaningless text, "
+                       "acceptance near 1)")
     target = kimijax.load_target(model, progress=not args.json)
     if random_note is None and getattr(target, "random_weights", False):
         random_note = f"note: preset {model!r} has RANDOM weights (its output is meaningless)"
-    drafter = None
-    if args.drafter:
-        drafter = kimijax.load_drafter(args.drafter, target)
+    drafter_path = args.drafter
+    if drafter_path is None and args.model is None and args.method != "ar":
+        drafter_path = str(defaults.embedded_default_dir() / defaults.DRAFTER_SUBDIR)
+    drafter = kimijax.load_drafter(drafter_path, target) if drafter_path else None
     method = args.method or ("ddtree" if drafter is not None else "ar")
     engine = kimijax.Engine(target, drafter, method=method, budget=args.budget, topk_cap=args.topk_cap,
                             draft_window=args.draft_window)

@@ -23,6 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,7 @@ def main():
     from kimijax.engine import Engine
     from kimijax.loading import default_kernel_impl
     from kimijax.target import KimiTarget, random_kimi_params
+    from timing import round_split
 
     dev = jax.devices()[0]
     print(f"device: {dev.platform} {dev.device_kind}; jax {jax.__version__}", flush=True)
@@ -157,14 +159,17 @@ def main():
                 eng.generate(prompts, max_new_tokens=17, stop_ids=[])
                 st = eng.last_stats
                 round_s = st["decode_s"] / max(st["rounds"], 1)
+                split = round_split(eng, prompts, round_s)
                 row = dict(kind="ddtree", batch=B, budget=b, prompt_len=args.tree_prompt_len, rounds=st["rounds"],
                            round_ms=round_s * 1e3, ar_step_ms=ar_step.get(B, float("nan")) * 1e3,
                            round_over_ar=round_s / ar_step.get(B, float("nan")), compile_s=st["compile_s"],
-                           distinct_experts=float(np.mean(st.get("distinct_experts_per_layer", [[float("nan")]]))))
+                           distinct_experts=float(np.mean(st.get("distinct_experts_per_layer", [[float("nan")]]))),
+                           **split)
                 rows.append(row)
                 print(f"DDTree B={B:3d} budget={b:3d}: round {row['round_ms']:.3f} ms vs AR step "
                       f"{row['ar_step_ms']:.3f} ms ({row['round_over_ar']:.2f}x), distinct experts/layer "
-                      f"{row['distinct_experts']:.1f}", flush=True)
+                      f"{row['distinct_experts']:.1f}; split draft {split['draft_ms']:.2f} tree {split['tree_ms']:.2f} "
+                      f"verify {split['verify_ms']:.2f} accept+commit {split['accept_commit_ms']:.2f} ms", flush=True)
                 del eng
 
     result = dict(date=time.strftime("%Y-%m-%d"), device=f"{dev.platform} {dev.device_kind}", jax=jax.__version__,
@@ -174,15 +179,16 @@ def main():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    print("\n| case | batch | budget | time/step or round (ms) | HBM floor (ms) | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("\n| case | batch | budget | time/step or round (ms) | HBM floor (ms) | ratio | draft / tree / verify / accept+commit (ms) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if r["kind"] == "ar":
             print(f"| AR step (prefill {r['prefill_ms']:.0f} ms) | {r['batch']} | - | {r['step_ms']:.3f} | "
-                  f"{r['floor_ms']:.3f} | {r['floor_ratio']:.1f}x floor |")
+                  f"{r['floor_ms']:.3f} | {r['floor_ratio']:.1f}x floor | - |")
         else:
             print(f"| DDTree round | {r['batch']} | {r['budget']} | {r['round_ms']:.3f} | - | "
-                  f"{r['round_over_ar']:.2f}x AR step |")
+                  f"{r['round_over_ar']:.2f}x AR step | {r['draft_ms']:.2f} / {r['tree_ms']:.2f} / {r['verify_ms']:.2f} / "
+                  f"{r['accept_commit_ms']:.2f} |")
     print(f"roof {roof / 1e12:.2f} TB/s; total {time.perf_counter() - t_start:.0f}s")
 
 

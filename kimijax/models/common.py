@@ -23,6 +23,8 @@ def param(mod: nn.Module, name: str, shape, axes, dtype, init: str = "fan_in", f
     elif init == "int4_scale":  # q in [-8, 7] has std ~4.6; scale so weights have std 1/sqrt(fan_in)
         fn = lambda key, s, d: (jnp.abs(jax.random.normal(key, s, jnp.float32)) * 0.5 + 0.75) / (
             4.6 * math.sqrt(fan_in)) * jnp.ones((), d)
+    elif init == "small":  # router bias: small, so random models route ~uniformly like trained ones
+        fn = lambda key, s, d: (0.01 * jax.random.normal(key, s, jnp.float32)).astype(d)
     elif init == "normal":
         fn = lambda key, s, d: jax.random.normal(key, s, jnp.float32).astype(d)
     else:

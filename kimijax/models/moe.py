@@ -49,7 +49,7 @@ class MoE(nn.Module):
         c = self.cfg
         D, F, E = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
         w_gate_ED = param(self, "gate", (E, D), ("expert", "embed"), self.dtype)
-        bias_E = param(self, "e_score_correction_bias", (E,), ("expert",), jnp.float32, init="normal")
+        bias_E = param(self, "e_score_correction_bias", (E,), ("expert",), jnp.float32, init="small")
         if c.experts_int4:
             G = c.quant_group_size
             experts = {

@@ -1,0 +1,327 @@
+"""Llama-family target (SmolLM2, Llama 2/3 without rope scaling) behind the same interface as KimiTarget.
+
+Architecture: token embedding, N x [RMSNorm -> GQA attention with NeoX ("half") rope -> residual,
+RMSNorm -> SwiGLU MLP -> residual], final RMSNorm, tied or untied lm_head. Parameters are kept in the
+HF layout (q/k rows in HF order, so `apply_rope_half` is the right rotation); the GGUF loader undoes
+llama.cpp's Q/K row permutation (kimijax/gguf_loading.py).
+
+KV cache: one array per layer, [B, L, 2, Hkv, hd] in the model dtype; slot j holds the rotated key (index 0)
+and the value (index 1) of the token at cache slot j. Visibility is the tree-attention rule of
+`pallas_kernels.tree_attention.visibility_mask`: slots < lengths[b] always visible, the T new rows (written
+at lengths..lengths+T-1 before attending) visible per the tree mask, anything else invisible.
+
+Names: B batch, T tokens this pass, L cache slots, D model dim, H query heads, k kv heads, g query heads
+per kv head, e head dim, F mlp hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimijax.config import ConfigError
+from kimijax.models.common import MLP, RMSNorm, apply_rope_half, causal_tree_mask, param, rope_cos_sin
+from kimijax.target import gather_rows
+from pallas_kernels.tree_attention import visibility_mask
+
+_DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama-architecture decoder. Defaults: SmolLM2-135M-Instruct (as its GGUF metadata says)."""
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    rope_theta: float = 100000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    eos_token_ids: tuple[int, ...] = (2, 0)
+    bos_token_id: int | None = 1
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ConfigError(f"LlamaConfig.{k}={v!r} must be a positive int")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even (rope rotates pairs)")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be > 0")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} not in {_DTYPES}")
+        bad = [i for i in self.eos_token_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ConfigError(f"eos token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def inv_freq(self) -> np.ndarray:
+        """Rope inverse frequencies [head_dim/2] float32 (plain rope, no scaling)."""
+        e = self.head_dim
+        return (1.0 / (self.rope_theta ** (np.arange(0, e, 2, dtype=np.float32) / np.float32(e)))).astype(np.float32)
+
+
+SMOLLM2_135M = LlamaConfig()
+#: A tiny config for tests (vocab covers the SmolLM2 tokenizer's special ids 0..16).
+TINY_LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                         max_position_embeddings=1024, eos_token_ids=(2,), dtype="float32")
+
+
+def write_kv(cache_BL2ke, rows_BT2ke, start_B):
+    """Write T rows per request at slots start_b .. start_b+T-1 (capacity is checked by the engine)."""
+    return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0))(
+        cache_BL2ke, rows_BT2ke, start_B)
+
+
+def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float):
+    """Grouped-query attention: query head h reads kv head h // g (HF repeat_kv order). -> [B, T, H, e]."""
+    B, T, H, E = q_BTHe.shape
+    KV = k_BSke.shape[2]
+    q_BTkge = q_BTHe.reshape(B, T, KV, H // KV, E)
+    s = jnp.einsum("btkge,bske->bkgts", q_BTkge, k_BSke, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask_BTS[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v_BSke.dtype)
+    o = jnp.einsum("bkgts,bske->btkge", p, v_BSke, preferred_element_type=jnp.float32)
+    return o.astype(q_BTHe.dtype).reshape(B, T, H, E)
+
+
+class LlamaAttention(nn.Module):
+    cfg: LlamaConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, cache=None, lengths_B=None, tree_mask_BTT=None, *,
+                 from_cache: bool = False):
+        c, dt = self.cfg, self.dtype
+        D, H, KV, E = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        w_q = param(self, "q_proj", (H, E, D), ("heads", "head_dim", "embed"), dt)
+        w_k = param(self, "k_proj", (KV, E, D), ("kv_heads", "head_dim", "embed"), dt)
+        w_v = param(self, "v_proj", (KV, E, D), ("kv_heads", "head_dim", "embed"), dt)
+        w_o = param(self, "o_proj", (D, H, E), ("embed", "heads", "head_dim"), dt, fan_in=H * E)
+        B, T, _ = x_BTD.shape
+        with jax.named_scope("attn_proj"):
+            cos, sin = rope_cos_sin(positions_BT, c.inv_freq(), 1.0)
+            q = apply_rope_half(jnp.einsum("btd,hed->bthe", x_BTD, w_q), cos[:, :, None], sin[:, :, None])
+            k = apply_rope_half(jnp.einsum("btd,ked->btke", x_BTD, w_k), cos[:, :, None], sin[:, :, None])
+            v = jnp.einsum("btd,ked->btke", x_BTD, w_v)
+        if tree_mask_BTT is None:
+            tree_mask_BTT = causal_tree_mask(B, T)
+        if cache is not None:
+            cache = write_kv(cache, jnp.stack([k, v], axis=2), lengths_B)
+        with jax.named_scope("attn"):
+            if from_cache:  # the committed prefix plus this pass's rows, as written above
+                mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
+                o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5)
+            else:  # this pass's own tokens only (full forward, prefill from an empty cache)
+                dc = dt if cache is None else cache.dtype
+                o = gqa_attention(q, k.astype(dc), v.astype(dc), tree_mask_BTT, E ** -0.5)
+        return jnp.einsum("bthe,dhe->btd", o, w_o), cache
+
+
+class LlamaLayer(nn.Module):
+    cfg: LlamaConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, from_cache):
+        c = self.cfg
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_layernorm")(x_BTD)
+        a, cache = LlamaAttention(c, self.dtype, name="self_attn")(h, positions_BT, cache, lengths_B, tree_mask_BTT,
+                                                                  from_cache=from_cache)
+        x_BTD = x_BTD + a
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
+        with jax.named_scope("mlp"):
+            f = MLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(h)
+        return x_BTD + f, cache
+
+
+class Llama(nn.Module):
+    """Param tree: embed_tokens [V, D], layers_{i}/{input_layernorm, self_attn/{q,k,v,o}_proj,
+    post_attention_layernorm, mlp/{gate,up,down}_proj}, norm, and lm_head [V, D] when untied."""
+    cfg: LlamaConfig
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+                                  self.dtype, init="normal")
+        self.layers = [LlamaLayer(c, self.dtype, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
+        if not c.tie_word_embeddings:
+            self.lm_head = param(self, "lm_head", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
+
+    def embed(self, tokens_BT):
+        return jnp.take(self.embed_tokens, tokens_BT, axis=0)
+
+    def logits(self, h_BTD):
+        """lm_head (the embedding when tied) over already-normed hidden states -> f32 logits."""
+        w = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+        return jnp.einsum("btd,vd->btv", h_BTD.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BT, positions_BT, caches=None, lengths_B=None, tree_mask_BTT=None, *,
+                 from_cache: bool = False, capture_layers: tuple[int, ...] = ()):
+        """-> (final normed hidden [B,T,D], caches or None, captured [len(capture_layers), B, T, D])."""
+        x_BTD = self.embed(tokens_BT)
+        outs = {}
+        new_caches = []
+        want = set(capture_layers)
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer_{i}"):
+                x_BTD, cache = layer(x_BTD, positions_BT, None if caches is None else caches[i], lengths_B,
+                                     tree_mask_BTT, from_cache)
+            new_caches.append(cache)
+            if i in want:
+                outs[i] = x_BTD
+        cap = jnp.stack([outs[l] for l in capture_layers]) if capture_layers \
+            else jnp.zeros((0,) + x_BTD.shape, x_BTD.dtype)
+        return self.norm(x_BTD), (None if caches is None else new_caches), cap
+
+    def init_all(self, tokens_BT):
+        """Touches every parameter (used by init)."""
+        h, _, _ = self(tokens_BT, jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape))
+        return self.logits(h)
+
+
+@dataclasses.dataclass
+class LlamaTarget:
+    """A Llama-family target with KimiTarget's interface (see kimijax/target.py)."""
+    cfg: LlamaConfig
+    params: Any
+    tokenizer: Any = None
+    name: str = "llama"
+    random_weights: bool = False
+    source: str = ""
+
+    def __post_init__(self):
+        self.module = Llama(self.cfg)
+        self._forward = jax.jit(self._forward_fn)
+
+    # ---- facts the engine needs
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.cfg.eos_token_ids)
+
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    def init_cache(self, B: int, L: int):
+        c = self.cfg
+        return [jnp.zeros((B, L, 2, c.num_key_value_heads, c.head_dim), self.dtype) for _ in range(self.num_layers)]
+
+    # ---- pure functions
+    def _apply(self, params, *args, method=None, **kw):
+        return self.module.apply({"params": params}, *args, method=method, **kw)
+
+    def embed(self, params, tokens):
+        return self._apply(params, tokens, method=Llama.embed)
+
+    def head(self, params, h_BTD):
+        return self._apply(params, h_BTD, method=Llama.logits)
+
+    def prefill(self, params, caches, tokens_BT, lens_B, capture=()):
+        """Prompt pass writing cache slots 0..T-1. -> (last-token logits [B,V] f32, caches, captured [n,B,T,D])."""
+        B, T = tokens_BT.shape
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h, caches, cap = self._apply(params, tokens_BT, pos_BT, caches, jnp.zeros((B,), jnp.int32),
+                                     causal_tree_mask(B, T), from_cache=False, capture_layers=tuple(capture))
+        h_last = gather_rows(h, lens_B - 1)[:, None]
+        return self.head(params, h_last)[:, 0], caches, cap
+
+    def verify(self, params, caches, tokens_BT, positions_BT, lengths_B, tree_mask_BTT, capture=(),
+               with_experts: bool = False):
+        """T new tokens at cache slots lengths..lengths+T-1 over the committed cache, tree-masked.
+        -> (logits [B,T,V] f32, caches, captured[, expert ids: empty, a dense model has none])."""
+        h, caches, cap = self._apply(params, tokens_BT, positions_BT, caches, lengths_B, tree_mask_BTT,
+                                     from_cache=True, capture_layers=tuple(capture))
+        logits = self.head(params, h)
+        if with_experts:
+            return logits, caches, cap, jnp.zeros((0,), jnp.int32)
+        return logits, caches, cap
+
+    def _forward_fn(self, params, tokens_BT):
+        B, T = tokens_BT.shape
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h, _, _ = self._apply(params, tokens_BT, pos_BT)
+        return self.head(params, h)
+
+    def forward(self, tokens_BT):
+        """Full-sequence forward without a cache -> f32 logits [B, T, V]."""
+        return self._forward(self.params, jnp.asarray(tokens_BT, jnp.int32))
+
+
+# ---------------------------------------------------------------- random weights (tests, benchmarks)
+def abstract_llama_params(cfg: LlamaConfig):
+    """ShapeDtypeStructs with logical axis names (boxed), without allocating anything."""
+    module = Llama(cfg)
+    toks = jnp.zeros((1, 2), jnp.int32)
+    return jax.eval_shape(lambda k: module.init(k, toks, method=Llama.init_all), jax.random.PRNGKey(0))["params"]
+
+
+def random_llama_params(cfg: LlamaConfig, seed: int = 0):
+    """Random weights; norm weights perturbed around 1 so that a dropped norm shows in tests."""
+    from flax.core import meta
+
+    module = Llama(cfg)
+    toks = jnp.zeros((1, 2), jnp.int32)
+    key = jax.random.PRNGKey(seed)
+    params = meta.unbox(jax.jit(lambda k: module.init(k, toks, method=Llama.init_all))(key)["params"])
+    nkey = jax.random.fold_in(key, 1)
+
+    def perturb(path, x):
+        names = [getattr(p, "key", str(p)) for p in path]
+        if names[-1] == "weight":
+            k = jax.random.fold_in(nkey, zlib.crc32("/".join(names).encode()) % (2 ** 31))
+            return (1.0 + 0.1 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(perturb, params)
+
+
+def random_llama_target(cfg: LlamaConfig = TINY_LLAMA, seed: int = 0, tokenizer=None) -> LlamaTarget:
+    """A LlamaTarget with random weights (tests with tiny configs, benchmarks at real shapes)."""
+    return LlamaTarget(cfg, random_llama_params(cfg, seed), tokenizer=tokenizer, name="llama-random",
+                       random_weights=True, source="random")
+
+
+__all__ = ["LlamaConfig", "Llama", "LlamaTarget", "SMOLLM2_135M", "TINY_LLAMA", "gqa_attention", "write_kv",
+           "abstract_llama_params", "random_llama_params", "random_llama_target"]

@@ -1,0 +1,43 @@
+"""Shared timing helpers for the benchmark scripts (GPU runs): median wall time of jitted calls and the
+per-stage split of one speculative round (draft, tree, verify, accept+commit)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def median_time(fn, *args, reps: int = 20, warmup: int = 2) -> float:
+    """Median seconds of fn(*args) (block_until_ready each call; includes one dispatch per call)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def round_split(engine, prompts, round_s: float, reps: int = 20) -> dict:
+    """Time each stage of a round standalone on the state after prefill; accept+commit is the remainder of
+    the measured in-loop round time. Returns milliseconds."""
+    r = engine.round
+    _, st = engine.start(prompts, max_new_tokens=8, stop_ids=[])
+    tp, dp = engine.target.params, engine.drafter.params
+    S, bonus = st["lengths"], st["bonus"]
+    f_draft = jax.jit(lambda dp, tp, dc, S, b: r.drafter.draft_logits(dp, r.target, tp, dc, S, b, r.window))
+    dl = f_draft(dp, tp, st["dcache"], S, bonus)
+    f_tree = jax.jit(r.build_tree)
+    tree = f_tree(dl)
+    tokens = jnp.where(jnp.arange(r.width)[None] == 0, bonus[:, None], jnp.maximum(tree.tokens, 0))
+    pos = S[:, None] + tree.depths
+    f_verify = jax.jit(lambda p, c, tok, pos, S, m: r.target.verify(p, c, tok, pos, S, m, r.capture_layers)[0])
+    out = dict(draft_ms=median_time(f_draft, dp, tp, st["dcache"], S, bonus, reps=reps) * 1e3,
+               tree_ms=median_time(f_tree, dl, reps=reps) * 1e3,
+               verify_ms=median_time(f_verify, tp, st["caches"], tokens, pos, S, tree.ancestor_mask, reps=reps) * 1e3)
+    out["accept_commit_ms"] = max(round_s * 1e3 - out["draft_ms"] - out["tree_ms"] - out["verify_ms"], 0.0)
+    return out
