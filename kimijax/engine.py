@@ -21,6 +21,7 @@ import numpy as np
 from kimijax.sampling import check_sampling_params, sample_tokens
 
 MAX_STOP_IDS = 8
+_PROGRAMS: dict = {}  # (target, drafter, settings) -> jitted programs + compiled chunk programs
 
 
 class EngineError(ValueError):
@@ -91,10 +92,14 @@ class Engine:
         if method != "ar":
             from kimijax.spec.round import SpecRound
             self.round = SpecRound(target, drafter, method, budget, topk_cap, draft_window)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._chunk = jax.jit(self._chunk_fn, static_argnums=(3,), donate_argnums=(1,))
+        # Programs are shared by engines with the same target, drafter and settings, so a new Engine
+        # (or a new generate call) reuses what is already compiled.
+        key = (id(target), id(drafter), method, budget, topk_cap, draft_window)
+        if key not in _PROGRAMS:
+            _PROGRAMS[key] = (target, drafter, jax.jit(self._prefill_fn, donate_argnums=(1,)),
+                              jax.jit(self._chunk_fn, static_argnums=(3,), donate_argnums=(1,)), {})
+        _, _, self._prefill, self._chunk, self._compiled = _PROGRAMS[key]
         self.last_stats: dict[str, Any] = {}
-        self._compiled: dict = {}
         self.last_compile_s = 0.0
 
     # ------------------------------------------------------------ sizes
@@ -227,7 +232,7 @@ class Engine:
     def _chunk_program(self, state, dparams):
         """The compiled chunk program for this state's shapes (compiled once, timed separately)."""
         sig = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), (dict(state), dparams))
-        key = (jax.tree_util.tree_structure(sig), tuple(jax.tree_util.tree_leaves(sig)))
+        key = (jax.tree_util.tree_structure(sig), tuple(jax.tree_util.tree_leaves(sig)), self.chunk_rounds)
         if key not in self._compiled:
             t0 = time.perf_counter()
             self._compiled[key] = self._chunk.lower(self.target.params, state, dparams, self.chunk_rounds).compile()

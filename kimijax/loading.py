@@ -237,9 +237,11 @@ def load_checkpoint_params(path: str | os.PathLike, cfg: KimiConfig, shardings=N
             if s.stacked:
                 sl = index[0] if index else slice(None)
                 js = range(leaf.shape[0])[sl]
+                inner = tuple(index[1:]) if index else ()
+                if any(x != slice(None) for x in inner):  # a tensor-parallel shard: only its rows/columns
+                    return np.stack([np.asarray(ckpt.read(s.names[j], inner)) for j in js]).astype(want_dtype)
                 arr = np.stack([ckpt.read(s.names[j]) for j in js]).reshape((len(js),) + leaf.shape[1:])
-                arr = arr.astype(want_dtype)
-                return arr[(slice(None),) + tuple(index[1:])] if index else arr
+                return arr.astype(want_dtype)
             arr = np.asarray(ckpt.read(s.names[0])).reshape(leaf.shape).astype(want_dtype)
             return arr[tuple(index)] if index else arr
 
@@ -324,12 +326,16 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
 
     Presets with random weights are for tests and benchmarks (`tiny`, `tiny-bf16`; `kimi-k2.6` is refused:
     1T random parameters do not fit). `shardings` (a tree matching the params) or `mesh` + `layout`
-    place each tensor directly on its shards.
+    place each tensor directly on its shards; with a `mesh` (sharding.mesh.make_mesh) the target also runs
+    its routed experts expert-parallel (sharding.moe_ep) and puts its caches on the mesh.
     """
     from kimijax.target import KimiTarget, random_kimi_params
     attn_impl = attn_impl or default_kernel_impl("tree_attention")
     moe_impl = moe_impl or default_kernel_impl("moe_int4")
     p = Path(path_or_preset)
+    if mesh is None and layout is not None:
+        from sharding.mesh import make_mesh
+        mesh = make_mesh(layout)
     if mesh is not None and shardings is None:
         from sharding.rules import param_shardings  # noqa: the sharding package maps logical axes to the mesh
         shardings_fn = lambda cfg: param_shardings(cfg, mesh, layout)
@@ -348,7 +354,10 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
         if dtype:
             cfg = dataclasses.replace(cfg, dtype=dtype)
         params = random_kimi_params(cfg, seed)
-        return KimiTarget(cfg, params, attn_impl, moe_impl, name=name, random_weights=True, source=name)
+        sh = shardings_fn(cfg)
+        if sh is not None:
+            params = jax.device_put(params, sh)
+        return KimiTarget(cfg, params, attn_impl, moe_impl, name=name, random_weights=True, source=name, mesh=mesh)
 
     if (p / ORBAX_META).exists():
         info = json.loads((p / ORBAX_META).read_text())
@@ -357,7 +366,7 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
             cfg = dataclasses.replace(cfg, dtype=dtype)
         params = restore_params(p, cfg, shardings_fn(cfg))
         return KimiTarget(cfg, params, attn_impl, moe_impl, tokenizer=_maybe_tokenizer(p), name=p.name,
-                          source=info.get("source", str(p)))
+                          source=info.get("source", str(p)), mesh=mesh)
 
     cfg_file = p / "config.json"
     if not cfg_file.exists():
@@ -370,7 +379,8 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
     if dtype:
         cfg = dataclasses.replace(cfg, dtype=dtype)
     params = load_checkpoint_params(p, cfg, shardings_fn(cfg), progress=progress)
-    return KimiTarget(cfg, params, attn_impl, moe_impl, tokenizer=_maybe_tokenizer(p), name=p.name, source=str(p))
+    return KimiTarget(cfg, params, attn_impl, moe_impl, tokenizer=_maybe_tokenizer(p), name=p.name, source=str(p),
+                      mesh=mesh)
 
 
 def _maybe_tokenizer(p: Path):

@@ -56,9 +56,12 @@ class KimiTarget:
     random_weights: bool = False
     source: str = ""
     expert_fn: Any = None  # routed-expert override (expert parallelism); see sharding/moe_ep.py
-    mesh: Any = None
+    mesh: Any = None  # a sharding.mesh mesh: params are expected on it (sharding.rules); caches are put on it
 
     def __post_init__(self):
+        if self.mesh is not None and self.expert_fn is None:
+            from sharding.moe_ep import make_expert_fn
+            self.expert_fn = make_expert_fn(self.mesh)
         self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn)
         self._forward = jax.jit(self._forward_fn)
 
@@ -88,7 +91,19 @@ class KimiTarget:
         return jnp.dtype(self.cfg.dtype)
 
     def init_cache(self, B: int, L: int):
+        if self.mesh is not None:  # batch over "data", replicated over "expert"/"tensor" (sharding/rules.py)
+            from sharding.rules import cache_shardings
+            return [jnp.zeros((B, L, self.cfg.latent_dim), self.dtype, device=s)
+                    for s in cache_shardings(self.cfg, self.mesh, B)]
         return [jnp.zeros((B, L, self.cfg.latent_dim), self.dtype) for _ in range(self.num_layers)]
+
+    def on_mesh(self, mesh, layout: str | None = None, dispatch: str = "auto") -> "KimiTarget":
+        """This target on a device mesh: params resharded by sharding.rules, routed experts through
+        sharding.moe_ep (for loading straight onto a mesh use load_target(path, mesh=..., layout=...))."""
+        from sharding.moe_ep import make_expert_fn
+        from sharding.rules import param_shardings
+        params = jax.device_put(self.params, param_shardings(self.cfg, mesh, layout))
+        return dataclasses.replace(self, params=params, mesh=mesh, expert_fn=make_expert_fn(mesh, dispatch))
 
     # ---- pure functions
     def _apply(self, params, *args, method=None, **kw):
@@ -99,6 +114,14 @@ class KimiTarget:
 
     def head(self, params, h_BTD):
         return self._apply(params, h_BTD, method=Kimi.logits)
+
+    def tree_topk(self, logits_BLV, K: int):
+        """Per-depth top-K log-probs and token ids of draft logits [B, L, V] (the DDTree input). On a mesh the
+        vocab-sharded logits are never gathered: per-shard top-K merged in global ids (sharding/vocab.py)."""
+        if self.mesh is not None:
+            from sharding.vocab import topk_logprobs
+            return topk_logprobs(logits_BLV, K, self.mesh)
+        return jax.lax.top_k(jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1), K)
 
     def prefill(self, params, caches, tokens_BT, lens_B, capture=()):
         """Prompt pass (naive MLA) writing cache slots 0..T-1. -> (last-token logits [B,V], caches, captured)."""

@@ -52,8 +52,9 @@ def test_tree_mask_verify_and_compaction(tiny_f32):
     depths = jnp.array([[0, 1, 1, 2]])
     anc = jnp.array([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], bool)
     lens = jnp.array([5], jnp.int32)
-    _, caches, _ = t.prefill(t.params, t.init_cache(1, 32), toks[:, :5], lens)
-    logits, caches_v, _ = t.verify(t.params, caches, tree_tokens, lens[:, None] + depths, lens, anc)
+    _, caches, _ = jax.jit(t.prefill)(t.params, t.init_cache(1, 32), toks[:, :5], lens)
+    verify = jax.jit(t.verify)
+    logits, caches_v, _ = verify(t.params, caches, tree_tokens, lens[:, None] + depths, lens, anc)
     path1 = t.forward(jnp.concatenate([toks[:, :6], jnp.array([[a, b]])], 1))
     path2 = t.forward(jnp.concatenate([toks[:, :6], jnp.array([[c]])], 1))
     np.testing.assert_allclose(logits[0, 0], path1[0, 5], atol=2e-5)
@@ -61,10 +62,10 @@ def test_tree_mask_verify_and_compaction(tiny_f32):
     np.testing.assert_allclose(logits[0, 3], path1[0, 7], atol=2e-5)
     np.testing.assert_allclose(logits[0, 2], path2[0, 6], atol=2e-5)
     # accept root, a, b: rows S+0, S+1, S+3 -> S+0, S+1, S+2; then one more token decodes correctly
-    caches_c = compact_caches(caches_v, lens, jnp.array([[0, 1, 3, 0]]), jnp.array([3]))
+    caches_c = jax.jit(compact_caches)(caches_v, lens, jnp.array([[0, 1, 3, 0]]), jnp.array([3]))
     lens2 = lens + 3
     nxt = jnp.array([[7]])
-    l2, _, _ = t.verify(t.params, caches_c, nxt, lens2[:, None], lens2, jnp.ones((1, 1, 1), bool))
+    l2, _, _ = jax.jit(t.verify)(t.params, caches_c, nxt, lens2[:, None], lens2, jnp.ones((1, 1, 1), bool))
     ref = t.forward(jnp.concatenate([toks[:, :6], jnp.array([[a, b, 7]])], 1))
     np.testing.assert_allclose(l2[0, 0], ref[0, 8], atol=2e-5)
 

@@ -17,7 +17,6 @@ per kv head, e head dim, F mlp hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Any
 
 import flax.linen as nn
@@ -298,23 +297,26 @@ def abstract_llama_params(cfg: LlamaConfig):
 
 
 def random_llama_params(cfg: LlamaConfig, seed: int = 0):
-    """Random weights; norm weights perturbed around 1 so that a dropped norm shows in tests."""
+    """Random weights drawn on the host (numpy; nothing to compile): matrices ~ N(0, 1/fan_in), the embedding
+    ~ N(0, 1), norm weights 1 + N(0, 0.1^2) (perturbed around 1 so that a dropped norm shows in tests)."""
     from flax.core import meta
 
-    module = Llama(cfg)
-    toks = jnp.zeros((1, 2), jnp.int32)
-    key = jax.random.PRNGKey(seed)
-    params = meta.unbox(jax.jit(lambda k: module.init(k, toks, method=Llama.init_all))(key)["params"])
-    nkey = jax.random.fold_in(key, 1)
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(cfg.dtype)
 
-    def perturb(path, x):
+    def draw(path, leaf):
         names = [getattr(p, "key", str(p)) for p in path]
+        shape = tuple(leaf.shape)
         if names[-1] == "weight":
-            k = jax.random.fold_in(nkey, zlib.crc32("/".join(names).encode()) % (2 ** 31))
-            return (1.0 + 0.1 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
-        return x
+            a = 1.0 + 0.1 * rng.standard_normal(shape, np.float32)
+        elif names[-1] == "embed_tokens":
+            a = rng.standard_normal(shape, np.float32)
+        else:
+            fan_in = int(np.prod(shape[1:])) if names[-1] == "o_proj" else shape[-1]
+            a = rng.standard_normal(shape, np.float32) / np.sqrt(fan_in)
+        return jnp.asarray(a.astype(dt))
 
-    return jax.tree_util.tree_map_with_path(perturb, params)
+    return jax.tree_util.tree_map_with_path(draw, meta.unbox(abstract_llama_params(cfg)))
 
 
 def random_llama_target(cfg: LlamaConfig = TINY_LLAMA, seed: int = 0, tokenizer=None) -> LlamaTarget:

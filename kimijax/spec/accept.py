@@ -76,7 +76,9 @@ def walk(tree: Tree, choices_N, max_depth: int | None = None):
 
         path0 = jnp.full((L + 1,), -1, jnp.int32).at[0].set(0)
         # A node at depth L has no children, so L steps always finish the walk.
-        path, cur, n, _ = jax.lax.fori_loop(0, L, step, (path0, jnp.int32(0), jnp.int32(1), jnp.bool_(False)))
+        # Unrolled: L is small and static; straight-line code fuses and stays inside one command buffer.
+        path, cur, n, _ = jax.lax.fori_loop(0, L, step, (path0, jnp.int32(0), jnp.int32(1), jnp.bool_(False)),
+                                            unroll=True)
         return path, n, choices_N[cur]
 
 

@@ -176,7 +176,9 @@ def build_tree_from_topk(top_logp_LK, top_tokens_LK, budget: int) -> Tree:
             scores = jnp.where(at_i, jnp.where(any_live, score_p, -jnp.inf), scores)
             return meta, scores
 
-        meta, scores = jax.lax.fori_loop(0, N, step, (meta0, scores0))
+        # Unrolled for small budgets (a device while loop costs launches per step and splits command
+        # buffers); large budgets keep the loop to bound compile time.
+        meta, scores = jax.lax.fori_loop(0, N, step, (meta0, scores0), unroll=True if N <= 32 else 8)
 
     with jax.named_scope("ddtree_layout"):
         parents, depths, ranks = meta[:, PAR], meta[:, DEP], meta[:, RNK]
