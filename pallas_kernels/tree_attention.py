@@ -1,0 +1,339 @@
+"""Absorbed-MLA attention of T query tokens per request over the latent cache, with a tree mask.
+
+Cache row per token: [c_kv (K=512) | k_pe (R=64)] = C values. Queries are already absorbed:
+q_cat = [q_nope @ W_UK | q_pe] with C values per head. Values are the first K entries of each cache row.
+
+Visibility for query t of request b (S_b = lengths[b], the committed length before this pass):
+  slot j < S_b                      always visible (committed prefix)
+  slot S_b + u, 0 <= u < T          visible iff tree_mask[b, t, u] (ancestor-or-self; causal for prefill/AR)
+  any other slot                    invisible
+The T new rows must already be written at slots S_b .. S_b+T-1.
+
+Implementations (`tree_attention(..., impl=...)`):
+  "xla"        `tree_attention_ref`, the plain-XLA reference.
+  "pallas"     the Pallas kernel below, Triton lowering (GPU).
+  "interpret"  the same kernel with `interpret=True` (CPU tests).
+`default_impl()` is "pallas" on a GPU backend and "xla" elsewhere.
+
+Kernel (split-K flash decoding, after jax.experimental.pallas.ops.gpu.decode_attention):
+  * The T*H query rows of a request are folded into the M dimension of the dots (row r = t*H + h),
+    so one program's [block_m, C] query tile meets every key block once; with H=64 and block_m=64 a
+    program holds the 64 heads of one tree token.
+  * Grid (B, cdiv(T*H, block_m), S): program (b, m, s) walks keys [s*split, (s+1)*split) of request b,
+    clipped to lengths[b] + T, in blocks of block_k.  Scores are two dots (latent K and rope R columns
+    of the cache row), values are the latent columns of the same loaded key tile (read once).
+  * Blocks entirely below lengths[b] (committed prefix) run with no mask at all; only the blocks that
+    overlap [lengths[b], lengths[b]+T) (at most ceil((T+block_k-1)/block_k)+1 per split) evaluate the
+    tree mask.  The mask travels bit-packed (int32 [B, T, ceil(T/32)], bit u%32 of word u//32 = key
+    u of the tree block); each program gathers the words of its rows once.
+  * S = 1: the kernel writes the normalised output (q dtype) and the LSE directly.  S > 1: each split
+    writes a normalised f32 partial and its LSE; an XLA log-sum-exp combine merges the splits.
+  * Online softmax in base 2 with -inf masking; a row that sees no visible key anywhere gets output
+    0 and lse -inf (the XLA reference returns NaN for such rows).
+  * Options: transposed=True computes S^T = K q^T and O^T = V^T P^T (q on the N side); value_splits=2 gives
+    each program half of the value columns (no register spills, but Q K^T is computed twice).  Both were
+    measured slower on the H200 than the default (BENCHMARKS.md, "Kernels").
+Backend: the Triton lowering of Pallas (`pl.pallas_call` + `pltriton.CompilerParams`), testable with
+interpret=True on CPU; Mosaic GPU was not tried.  At Kimi width (H = 64, C = 576) this attention is
+compute-bound for T >= 2 (about 1088 FLOP per cache byte at T*H = 576 query rows), and the Triton kernel
+spills registers ([64, 512] f32 accumulator + q tile): it reaches 19-26 % of the bf16 matmul rate and is
+slower than the XLA reference (cuBLAS batched GEMMs) at most measured shapes, faster at (B=1, L=4k).
+Shapes: any B, T >= 1, H, L; K and R must be powers of two >= 16 for the GPU lowering (Kimi: 512, 64);
+the interpret mode accepts any K, R.  `lengths[b] + T <= L` is required (as for the reference).  There
+is no shape fallback: every (B, T, H, L) runs the kernel (block sizes are padded / masked).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax.experimental.pallas import triton as pltriton  # Triton lowering (deprecated in jax 0.11, working)
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def default_impl() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def visibility_mask(lengths_B, tree_mask_BTT, L: int):
+    """bool [B, T, L]: which cache slots each query may attend to."""
+    T = tree_mask_BTT.shape[-1]
+    rel_BL = jnp.arange(L, dtype=jnp.int32)[None, :] - lengths_B[:, None]
+    in_prefix_BL = rel_BL < 0
+    in_block_BL = (rel_BL >= 0) & (rel_BL < T)
+    idx_BL = jnp.clip(rel_BL, 0, T - 1)
+    tree_BTL = jnp.take_along_axis(tree_mask_BTT, jnp.broadcast_to(idx_BL[:, None, :], (idx_BL.shape[0], T, L)), axis=2)
+    return in_prefix_BL[:, None, :] | (in_block_BL[:, None, :] & tree_BTL)
+
+
+def tree_attention_ref(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float, kv_rank: int = 512):
+    """XLA reference. Returns (out [B, T, H, kv_rank] in q's dtype, lse [B, T, H] f32)."""
+    L = cache_BLC.shape[1]
+    s_BHTL = jnp.einsum("bthc,blc->bhtl", q_BTHC, cache_BLC, preferred_element_type=jnp.float32) * scale
+    vis_BTL = visibility_mask(lengths_B, tree_mask_BTT, L)
+    s_BHTL = jnp.where(vis_BTL[:, None], s_BHTL, -jnp.inf)
+    m_BHT = jnp.max(s_BHTL, axis=-1, keepdims=True)
+    p_BHTL = jnp.exp(s_BHTL - m_BHT)
+    l_BHT = jnp.sum(p_BHTL, axis=-1, keepdims=True)
+    p_BHTL = p_BHTL / l_BHT
+    # "->bhtk" then a transpose: XLA:CPU's dot thunk rejects the bf16 x bf16 -> f32 dot written as "->bthk".
+    out_BHTK = jnp.einsum("bhtl,blk->bhtk", p_BHTL.astype(cache_BLC.dtype), cache_BLC[..., :kv_rank],
+                          preferred_element_type=jnp.float32)
+    out_BTHK = jnp.transpose(out_BHTK, (0, 2, 1, 3))
+    lse_BTH = jnp.transpose((m_BHT + jnp.log(l_BHT))[..., 0], (0, 2, 1))
+    return out_BTHK.astype(q_BTHC.dtype), lse_BTH
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pack_tree_mask(tree_mask_BTT):
+    """bool [B, T, T] -> int32 [B, T, ceil(T/32)]: bit u % 32 of word u // 32 is tree_mask[b, t, u]."""
+    B, T, _ = tree_mask_BTT.shape
+    W = -(-T // 32)
+    m = jnp.pad(tree_mask_BTT.astype(jnp.uint32), ((0, 0), (0, 0), (0, W * 32 - T))).reshape(B, T, W, 32)
+    words = jnp.sum(m << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(words, jnp.int32)
+
+
+def _dot(a, b, dn, f32_operands: bool):
+    # XLA:CPU cannot run a bf16 x bf16 -> f32 dot inside the interpreter's loop; bf16 -> f32 is exact, so
+    # interpret mode upcasts the operands (same products, f32 accumulation as on the tensor cores).
+    if f32_operands:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+
+
+def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K, R, L, W, bm, bk, split,
+                 scale_log2, f32_dots, transposed, VS):
+    """One program: request b, query rows [mi*bm, (mi+1)*bm), keys [s*split, (s+1)*split) clipped to the
+    visible range.  transposed=True computes S^T = K q^T and O^T = V^T P^T (queries on the N side of the
+    dots, so the loop-invariant q tile is a shared-memory operand instead of occupying registers)."""
+    b = pl.program_id(0)
+    mi = pl.program_id(1) // VS  # query row block
+    v0 = (pl.program_id(1) % VS) * (K // VS)  # first value column of this program
+    KV = K // VS
+    s = pl.program_id(2)
+    length = len_ref[b]
+    kv_end = jnp.minimum(length + T, L)
+    lo = s * split
+    hi = jnp.minimum(lo + split, kv_end)
+    n_free = jnp.maximum(jnp.minimum(hi, length) - lo, 0) // bk  # blocks fully inside the committed prefix
+    n_all = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
+
+    q_lat = q_ref[:, pl.ds(0, K)]  # [bm, K]
+    q_pe = q_ref[:, pl.ds(K, R)]  # [bm, R]
+    rows = mi * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+    t_rows = jnp.minimum(rows // H, T - 1)
+    words = [bits_ref[t_rows, w] for w in range(W)]  # W x [bm] int32, gathered once
+    # query axis of the score tile: 0 (S = q K^T, [bm, bk]) or 1 (S^T = K q^T, [bk, bm])
+    qa = 1 if transposed else 0
+    ka = 1 - qa
+    row = lambda v: jnp.expand_dims(v, ka)  # [bm] -> broadcastable over the key axis
+    col = lambda v: jnp.expand_dims(v, qa)  # [bk] -> broadcastable over the query axis
+    tile = (bk, bm) if transposed else (bm, bk)
+    c11 = (((1,), (1,)), ((), ()))  # a @ b.T
+    c00 = (((0,), (0,)), ((), ()))  # a.T @ b
+    c10 = (((1,), (0,)), ((), ()))  # a @ b
+
+    def step(i, carry, masked):
+        m_prev, l_prev, acc = carry
+        start = lo + i * bk
+        if masked:
+            keys = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            in_range = (keys < L)[:, None]
+            k_lat = pltriton.load(cache_ref.at[pl.ds(start, bk), pl.ds(0, K)], mask=in_range, other=0.0)
+            k_pe = pltriton.load(cache_ref.at[pl.ds(start, bk), pl.ds(K, R)], mask=in_range, other=0.0)
+            v = k_lat if VS == 1 else pltriton.load(cache_ref.at[pl.ds(start, bk), pl.ds(v0, KV)],
+                                                    mask=in_range, other=0.0)
+        else:
+            k_lat = cache_ref[pl.ds(start, bk), pl.ds(0, K)]
+            k_pe = cache_ref[pl.ds(start, bk), pl.ds(K, R)]
+            v = k_lat if VS == 1 else cache_ref[pl.ds(start, bk), pl.ds(v0, KV)]
+        if transposed:
+            sc = _dot(k_lat, q_lat, c11, f32_dots) + _dot(k_pe, q_pe, c11, f32_dots)
+        else:
+            sc = _dot(q_lat, k_lat, c11, f32_dots) + _dot(q_pe, k_pe, c11, f32_dots)
+        sc = sc * scale_log2
+        if masked:
+            rel = keys - length
+            in_prefix = rel < 0
+            in_tree = (rel >= 0) & (rel < T)
+            relc = jnp.clip(rel, 0, W * 32 - 1)
+            wsel = relc // 32
+            bit = relc % 32
+            word = jnp.zeros(tile, jnp.int32)
+            for w in range(W):
+                word = jnp.where(col(wsel == w), row(words[w]), word)
+            tree_vis = ((word >> col(bit)) & 1) != 0
+            vis = col(in_prefix) | (col(in_tree) & tree_vis)
+            sc = jnp.where(vis, sc, -jnp.inf)
+        m_new = jnp.maximum(m_prev, jnp.max(sc, axis=ka))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_prev - m_use)
+        p = jnp.exp2(sc - row(m_use))
+        l_new = l_prev * alpha + jnp.sum(p, axis=ka)
+        pv = p.astype(k_lat.dtype)
+        if transposed:  # O^T [KV, bm] += V^T [KV, bk] @ P^T [bk, bm]
+            acc = acc * alpha[None, :] + _dot(v, pv, c00, f32_dots)
+        else:  # O [bm, KV] += P [bm, bk] @ V [bk, KV]
+            acc = acc * alpha[:, None] + _dot(pv, v, c10, f32_dots)
+        return m_new, l_new, acc
+
+    acc0 = jnp.zeros((KV, bm) if transposed else (bm, KV), jnp.float32)
+    carry = (jnp.full((bm,), -jnp.inf, jnp.float32), jnp.zeros((bm,), jnp.float32), acc0)
+    carry = lax.fori_loop(0, n_free, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(n_free, n_all, functools.partial(step, masked=True), carry)
+    m_i, l_i, acc = carry
+    seen = l_i > 0.0
+    inv = 1.0 / jnp.where(seen, l_i, 1.0)
+    out = (acc * inv[None, :]).T if transposed else acc * inv[:, None]
+    lse = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * _LN2, -jnp.inf)
+    pltriton.store(o_ref, out.astype(o_ref.dtype))
+    pltriton.store(lse_ref, lse)
+
+
+def _auto_splits(B: int, n_mblocks: int, L: int, bk: int, n_sm: int = 132, min_split: int = 512) -> int:
+    """Splits along L so that B * n_mblocks * S programs fill whole waves of the SMs (>= 90 %)."""
+    base = B * n_mblocks
+    max_s = max(1, L // min_split)
+    best = 1
+    for waves in range(1, 9):
+        s = min(max_s, (waves * n_sm) // base)
+        if s < 1:
+            continue
+        if base * s >= 0.9 * waves * n_sm:
+            best = s
+            break
+        best = max(best, s)
+    return max(1, min(best, max_s))
+
+
+def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float, kv_rank: int = 512, *,
+                          block_m: int | None = None, block_k: int | None = None, num_splits: int | None = None,
+                          num_warps: int | None = None, num_stages: int | None = None, transposed: bool = False,
+                          value_splits: int = 1, interpret: bool = False, n_sm: int = 132):
+    """Pallas tree attention (see module docstring). Same contract as `tree_attention_ref`."""
+    B, T, H, C = q_BTHC.shape
+    L = cache_BLC.shape[1]
+    K = kv_rank
+    R = C - K
+    M = T * H
+    bm = block_m or min(64, max(16, _next_pow2(M)))
+    bk = block_k or 32
+    Mp = -(-M // bm) * bm
+    n_mb = Mp // bm
+    W = -(-T // 32)
+    S = num_splits or _auto_splits(B, n_mb * value_splits, L, bk, n_sm)
+    split = -(-(-(-L // S)) // bk) * bk  # ceil(L / S) rounded up to a multiple of bk
+    S = -(-L // split)
+    single = S == 1
+    warps = num_warps or (8 if bm >= 64 else 4)
+    stages = num_stages or 2
+
+    q_BMC = q_BTHC.reshape(B, M, C)
+    if Mp != M:
+        q_BMC = jnp.pad(q_BMC, ((0, 0), (0, Mp - M), (0, 0)))
+    bits_BTW = pack_tree_mask(tree_mask_BTT)
+    lengths_B = lengths_B.astype(jnp.int32)
+
+    VS = value_splits
+    KV = K // VS
+    kernel = functools.partial(_attn_kernel, T=T, H=H, K=K, R=R, L=L, W=W, bm=bm, bk=bk, split=split,
+                               scale_log2=float(scale) * _LOG2E, f32_dots=interpret, transposed=transposed, VS=VS)
+    if single:
+        out_shape = [jax.ShapeDtypeStruct((B, Mp, K), q_BTHC.dtype), jax.ShapeDtypeStruct((B, Mp), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, bm, KV), lambda b, m, s: (b, m // VS, m % VS)),
+                     pl.BlockSpec((None, bm), lambda b, m, s: (b, m // VS))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((B, S, Mp, K), jnp.float32),
+                     jax.ShapeDtypeStruct((B, S, Mp), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, bm, KV), lambda b, m, s: (b, s, m // VS, m % VS)),
+                     pl.BlockSpec((None, None, bm), lambda b, m, s: (b, s, m // VS))]
+    params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(B, n_mb * VS, S),
+        in_specs=[
+            pl.BlockSpec((B,), lambda b, m, s: (0,)),
+            pl.BlockSpec((None, T, W), lambda b, m, s: (b, 0, 0)),
+            pl.BlockSpec((None, bm, C), lambda b, m, s: (b, m // VS, 0)),
+            pl.BlockSpec((None, L, C), lambda b, m, s: (b, 0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=params,
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths_B, bits_BTW, q_BMC, cache_BLC)
+
+    if not single:
+        mx = jnp.max(lse, axis=1)
+        mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        w = jnp.exp(lse - mx_safe[:, None])
+        den = jnp.sum(w, axis=1)
+        o = jnp.sum(w[..., None] * o, axis=1) / jnp.where(den > 0, den, 1.0)[..., None]
+        lse = jnp.where(den > 0, mx_safe + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+        o = o.astype(q_BTHC.dtype)
+    if Mp != M:
+        o, lse = o[:, :M], lse[:, :M]
+    return o.reshape(B, T, H, K), lse.reshape(B, T, H)
+
+
+def tree_attention(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float, kv_rank: int = 512, *, impl: str = "xla"):
+    """Dispatch point used by the model: impl "xla" (reference), "pallas" (GPU kernel) or "interpret"."""
+    if impl == "xla":
+        return tree_attention_ref(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale, kv_rank)
+    if impl == "pallas":
+        return tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale, kv_rank)
+    if impl == "interpret":
+        return tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale, kv_rank, interpret=True)
+    raise ValueError(f"unknown tree attention impl {impl!r}")
+
+
+def _main():  # pragma: no cover - manual check / timing
+    import time
+
+    B, L, T, H, K, R = 1, 4096, 9, 64, 512, 64
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu:
+        B, L, T, H, K, R = 2, 300, 5, 4, 64, 16
+    ks = jax.random.split(jax.random.key(int(time.time())), 3)
+    q = jax.random.normal(ks[0], (B, T, H, K + R), jnp.bfloat16)
+    cache = jax.random.normal(ks[1], (B, L, K + R), jnp.bfloat16)
+    lengths = jnp.full((B,), L - T, jnp.int32)
+    tree = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
+    scale = 1.0 / math.sqrt(192)
+    impl = "pallas" if on_gpu else "interpret"
+    f = jax.jit(functools.partial(tree_attention, scale=scale, kv_rank=K, impl=impl))
+    g = jax.jit(functools.partial(tree_attention, scale=scale, kv_rank=K, impl="xla"))
+    o, lse = jax.block_until_ready(f(q, cache, lengths, tree))
+    o_r, lse_r = g(q, cache, lengths, tree)
+    err = float(jnp.linalg.norm((o.astype(jnp.float32) - o_r.astype(jnp.float32)).ravel())
+                / jnp.linalg.norm(o_r.astype(jnp.float32).ravel()))
+    print(f"rel err out {err:.2e}  max |dlse| {float(jnp.max(jnp.abs(lse - lse_r))):.2e}")
+    for name, fn in ((impl, f), ("xla", g)):
+        jax.block_until_ready(fn(q, cache, lengths, tree))
+        t0 = time.perf_counter()
+        for _ in range(20):
+            r = fn(q, cache, lengths, tree)
+        jax.block_until_ready(r)
+        print(f"{name}: {(time.perf_counter() - t0) / 20 * 1e6:.1f} us/call (B={B} L={L} T={T} H={H})")
+
+
+if __name__ == "__main__":
+    _main()

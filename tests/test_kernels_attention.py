@@ -1,0 +1,146 @@
+"""CPU tests of the Pallas tree-attention kernel (interpret=True) against the XLA reference.
+
+Every case draws fresh random inputs (a new seed per case, printed on failure).  The Pallas interpreter
+fills output buffers it was not told to write with NaN, so "every element finite and equal to the
+reference" also proves every output element was written.  Sizes are deliberately not multiples of the
+block sizes (odd T, L, B; T*H not a multiple of block_m; L not a multiple of block_k or the split).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import tree_attention as ta
+
+K_LAT, R_PE = 64, 8  # C = 72: a small stand-in for 512 + 64
+_SEEDS = np.random.SeedSequence()
+
+
+def _seed() -> int:
+    return int(_SEEDS.spawn(1)[0].generate_state(1)[0])
+
+
+def _random_tree(rng, T):
+    """Ancestor-or-self mask of a random tree (node i's parent is a random earlier node)."""
+    anc = np.eye(T, dtype=bool)
+    for i in range(1, T):
+        p = rng.integers(0, i)
+        anc[i] |= anc[p]
+    return anc
+
+
+def _inputs(seed, B, L, T, H, *, lengths=None, tree=None):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, T, H, K_LAT + R_PE)), jnp.bfloat16)
+    cache = jnp.asarray(rng.normal(size=(B, L, K_LAT + R_PE)), jnp.bfloat16)
+    if lengths is None:
+        lengths = rng.integers(0, L - T + 1, size=B)
+    if tree is None:
+        tree = np.stack([_random_tree(rng, T) for _ in range(B)])
+    return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(tree, bool)
+
+
+def _ref_f32(q, cache, lengths, tree, scale):
+    """Reference on f32-upcast inputs (higher precision than the kernel's bf16 operands)."""
+    return ta.tree_attention_ref(q.astype(jnp.float32), cache.astype(jnp.float32), lengths, tree, scale, K_LAT)
+
+
+def _check(seed, B, L, T, H, scale=0.2, **kw):
+    args = _inputs(seed, B, L, T, H, lengths=kw.pop("lengths", None), tree=kw.pop("tree", None))
+    f = jax.jit(functools.partial(ta.tree_attention_pallas, scale=scale, kv_rank=K_LAT, interpret=True, **kw))
+    out, lse = f(*args)
+    ref, lse_ref = _ref_f32(*args, scale)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    lse, lse_ref = np.asarray(lse), np.asarray(lse_ref)
+    assert out.shape == (B, T, H, K_LAT) and lse.shape == (B, T, H)
+    seen = np.isfinite(lse_ref)  # rows with at least one visible key
+    msg = f"seed={seed} B={B} L={L} T={T} H={H} {kw}"
+    assert np.all(np.isfinite(out)), msg
+    assert np.all(np.isfinite(lse[seen])), msg
+    err = np.linalg.norm((out - ref)[seen]) / np.linalg.norm(ref[seen])
+    assert err < 1e-2, f"{msg}: rel err {err:.2e}"
+    np.testing.assert_allclose(lse[seen], lse_ref[seen], atol=2e-2, rtol=2e-3, err_msg=msg)
+    # rows that see nothing: output 0, lse -inf (the reference gives NaN there)
+    assert np.all(out[~seen] == 0.0) and np.all(lse[~seen] == -np.inf), msg
+    return out, lse
+
+
+def test_default_impl_is_xla_on_cpu():
+    assert ta.default_impl() == "xla"
+
+
+def test_single_split_odd_sizes():
+    # T*H = 20 (block_m 32 -> padded rows), L = 101 (not a multiple of block_k 32)
+    _check(_seed(), B=3, L=101, T=5, H=4)
+
+
+def test_split_k_combine():
+    # 3 splits of 80 keys over L = 203 with block_k 16; lengths random (some splits empty)
+    _check(_seed(), B=2, L=203, T=7, H=4, num_splits=3, block_k=16)
+
+
+def test_many_splits_block_m_16():
+    _check(_seed(), B=1, L=333, T=9, H=3, num_splits=5, block_m=16, block_k=16)
+
+
+def test_value_splits_and_transposed():
+    # two programs per row block, each accumulating half of the value columns; S^T / O^T orientation
+    seed = _seed()
+    _check(seed, B=2, L=150, T=5, H=4, value_splits=2, num_splits=2, block_k=16)
+    _check(seed, B=2, L=150, T=5, H=4, value_splits=2, transposed=True, block_k=32)
+
+
+def test_decode_t1():
+    _check(_seed(), B=5, L=77, T=1, H=4, num_splits=2)
+
+
+def test_t33_two_mask_words():
+    # T = 33 > 32: the tree mask needs two int32 words per row; the tree block spans several key blocks
+    _check(_seed(), B=1, L=130, T=33, H=2, block_k=16, num_splits=2)
+
+
+def test_t129_five_mask_words():
+    _check(_seed(), B=1, L=200, T=129, H=1, block_m=64, block_k=32)
+
+
+def test_full_cache_and_empty_prefix():
+    seed = _seed()
+    # request 0: no committed prefix (only the tree block); request 1: the tree block ends at slot L-1
+    _check(seed, B=2, L=90, T=6, H=4, lengths=[0, 84], num_splits=2, block_k=16)
+
+
+def test_fully_masked_tree_rows():
+    """Tree rows with no visible key at all (length 0, padded tree entries): output 0 and lse -inf."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    T = 7
+    tree = np.stack([_random_tree(rng, T) for _ in range(2)])
+    tree[0, 4:] = False  # padded tree entries of request 0 see nothing (length 0)
+    tree[1, 2] = False  # request 1 has a prefix, so its masked row still sees the prefix
+    _check(seed, B=2, L=64, T=T, H=4, lengths=[0, 20], tree=tree, num_splits=2, block_k=16)
+
+
+def test_dispatch_matches_kernel():
+    seed = _seed()
+    args = _inputs(seed, 2, 50, 3, 4)
+    a = ta.tree_attention(*args, 0.3, K_LAT, impl="interpret")
+    b = ta.tree_attention_pallas(*args, 0.3, K_LAT, interpret=True)
+    np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+    r = ta.tree_attention(*args, 0.3, K_LAT, impl="xla")
+    assert r[0].dtype == a[0].dtype == jnp.bfloat16
+    with pytest.raises(ValueError):
+        ta.tree_attention(*args, 0.3, K_LAT, impl="nope")
+
+
+def test_pack_tree_mask():
+    rng = np.random.default_rng(_seed())
+    m = rng.random((2, 40, 40)) < 0.5
+    words = np.asarray(ta.pack_tree_mask(jnp.asarray(m))).view(np.uint32)
+    u = np.arange(40)
+    bits = (words[:, :, u // 32] >> (u % 32)) & 1
+    np.testing.assert_array_equal(bits.astype(bool), m)
