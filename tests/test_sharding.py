@@ -1,0 +1,225 @@
+"""Sharding on 8 simulated CPU devices: every layout computes what one device computes (logits, greedy DDTree
+output), tensors land on the right shards, layouts that do not divide the model fail clearly, a checkpoint
+loads straight onto its shards, the MoE dispatch variants agree, the vocab-parallel top-K builds the same
+tree, and the experiments CLI runs."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kimijax import Engine
+from kimijax.config import TINY
+from kimijax.loading import SafetensorsDir, load_target, save_hf_checkpoint
+from kimijax.models.drafter import random_drafter
+from kimijax.spec import ddtree
+from kimijax.target import KimiTarget, random_kimi_params
+from sharding import ShardingError, make_mesh, param_shardings, parse_layout
+from sharding.experiments import small_drafter_config, tiny8_config
+from sharding.hlo import collectives
+from sharding.rules import drafter_shardings
+from sharding.vocab import topk_logprobs
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: "
+                                "XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts")
+
+LAYOUTS = ["tp8", "ep8", "ep4", "tp4ep2", "tp2ep4"]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """tiny8 (8 heads, 16 experts, expert hidden 256) cut to 2 layers (dense + MoE), float32, one device."""
+    cfg = dataclasses.replace(tiny8_config("float32"), num_hidden_layers=2)
+    target = KimiTarget(cfg, random_kimi_params(cfg, seed=3))
+    drafter = random_drafter(small_drafter_config(cfg, block_size=4), target, seed=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size - 1, size=n).tolist() for n in (7, 3, 12, 5)]
+    tokens = rng.integers(3, cfg.vocab_size - 1, size=(2, 8))
+    logits = np.asarray(target.forward(tokens))
+    greedy = Engine(target, drafter, method="ddtree", budget=4).generate(prompts, max_new_tokens=8, stop_ids=[])
+    return dict(cfg=cfg, target=target, drafter=drafter, prompts=prompts, tokens=tokens, logits=logits,
+                greedy=[r.tokens for r in greedy])
+
+
+def _on(ref, layout, **kw):
+    mesh = make_mesh(layout)
+    return mesh, ref["target"].on_mesh(mesh, layout, **kw)
+
+
+# ------------------------------------------------------------------ meshes and rules (cheap)
+def test_layout_names():
+    n = len(jax.devices())
+    assert parse_layout("tp8").sizes(n) == {"data": 1, "expert": 1, "tensor": 8}
+    assert parse_layout("ep8").sizes(n) == {"data": 1, "expert": 8, "tensor": 1}
+    assert parse_layout("ep4").sizes(n) == {"data": 2, "expert": 4, "tensor": 1}  # 4-way EP x 2-way DP
+    assert parse_layout("tp4ep2").sizes(n) == {"data": 1, "expert": 2, "tensor": 4}
+    assert parse_layout("ep2tp2dp2").sizes(n) == {"data": 2, "expert": 2, "tensor": 2}
+    assert parse_layout("tp2").sizes(4) == {"data": 2, "expert": 1, "tensor": 2}  # any device count
+    mesh = make_mesh("tp4ep2")
+    assert mesh.axis_names == ("data", "expert", "tensor") and mesh.devices.shape == (1, 2, 4)
+    with pytest.raises(ShardingError, match="needs a multiple of 3 devices"):
+        make_mesh("ep3")
+    with pytest.raises(ShardingError, match="needs 16 devices"):
+        make_mesh("dp2tp8")
+    with pytest.raises(ShardingError, match="cannot parse"):
+        make_mesh("tensor8")
+
+
+def test_non_dividing_layout_raises_clearly():
+    with pytest.raises(ShardingError, match=r"layers_\d+/mlp/\w+: dimension 0 \('expert', size 8\) is not "
+                                            r"divisible by mesh axis 'expert' \(3\)"):
+        param_shardings(TINY, make_mesh("ep3", jax.devices()[:3]))  # 8 experts on a 3-way axis
+    with pytest.raises(ShardingError, match=r"self_attn/\w+: dimension 0 \('heads', size 4\).*'tensor' \(8\)"):
+        param_shardings(TINY, make_mesh("tp8"))  # 4 heads on an 8-way axis
+    with pytest.raises(ShardingError, match="layout 'ep8' means"):
+        param_shardings(TINY, make_mesh("tp8"), layout="ep8")
+
+
+def test_tensors_land_on_their_shards(ref):
+    params = ref["target"].params
+    _, t = _on(ref, "ep8")
+    w = t.params["layers_1"]["mlp"]["gate_packed"]  # [16 experts, F, D/8]: 2 experts per device
+    assert w.sharding.spec == P("expert")
+    full = np.asarray(params["layers_1"]["mlp"]["gate_packed"])
+    for s in w.addressable_shards:
+        i = t.mesh.devices.reshape(-1).tolist().index(s.device)
+        assert s.index[0] == slice(2 * i, 2 * i + 2) and s.data.shape == (2,) + full.shape[1:]
+        np.testing.assert_array_equal(np.asarray(s.data), full[2 * i: 2 * i + 2])
+    assert t.params["layers_1"]["mlp"]["gate"].sharding.spec == P()  # the router stays replicated
+    assert t.params["lm_head"].sharding.spec == P("expert")  # vocab-parallel
+
+    _, t = _on(ref, "tp4ep2")
+    kvb = t.params["layers_0"]["self_attn"]["kv_b_proj"]  # [H=8, N+V, K]: 2 heads per tensor rank
+    assert kvb.sharding.spec == P("tensor")
+    full = np.asarray(params["layers_0"]["self_attn"]["kv_b_proj"])
+    for s in kvb.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), full[s.index])
+        assert s.data.shape[0] == 2
+    down = t.params["layers_1"]["mlp"]["down_packed"]  # [E, D, F/8]: experts over expert, F over tensor
+    assert down.sharding.spec == P("expert", None, "tensor")
+    assert down.addressable_shards[0].data.shape == (8, 64, 256 // 8 // 4)
+    assert t.params["lm_head"].sharding.spec == P(("expert", "tensor"))
+    # the latent cache: batch over data, replicated over expert/tensor
+    _, t = _on(ref, "ep4")
+    c = t.init_cache(4, 16)[0]
+    assert c.sharding.spec == P("data") and c.addressable_shards[0].data.shape == (2, 16, t.cfg.latent_dim)
+
+
+# ------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_match_single_device(ref, layout):
+    _, t = _on(ref, layout)
+    out = t.forward(ref["tokens"])
+    np.testing.assert_allclose(np.asarray(out), ref["logits"], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout,dispatch", [("ep8", "a2a"), ("tp2ep4", "ragged"), ("ep4", "ragged")])
+def test_moe_dispatch_variants_match(ref, layout, dispatch):
+    _, t = _on(ref, layout, dispatch=dispatch)
+    np.testing.assert_allclose(np.asarray(t.forward(ref["tokens"])), ref["logits"], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["tp8", "ep4", "tp4ep2"])  # ep8: through the experiments CLI below
+def test_greedy_ddtree_matches_single_device(ref, layout):
+    mesh, t = _on(ref, layout)
+    d = ref["drafter"]
+    d = dataclasses.replace(d, params=jax.device_put(d.params, drafter_shardings(d.cfg, mesh)))
+    res = Engine(t, d, method="ddtree", budget=4).generate(ref["prompts"], max_new_tokens=8, stop_ids=[])
+    assert [r.tokens for r in res] == ref["greedy"]
+
+
+@pytest.mark.parametrize("layout", ["tp4ep2"])
+def test_vocab_parallel_topk_gives_the_same_tree(layout):
+    mesh = make_mesh(layout)
+    logits = jax.random.normal(jax.random.PRNGKey(0), (4, 3, 512)) * 3
+    logits = logits.at[0, 0, 500].set(logits[0, 0, 3])  # an exact tie across vocab shards
+    want_v, want_i = jax.lax.top_k(jax.nn.log_softmax(logits, -1), 8)
+    x = jax.device_put(logits, NamedSharding(mesh, P(None, None, ("expert", "tensor"))))
+    f = jax.jit(lambda x: topk_logprobs(x, 8, mesh))
+    v, i = f(x)
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(want_i))
+    np.testing.assert_allclose(np.asarray(v), np.asarray(want_v), atol=1e-5)
+    want = jax.jit(jax.vmap(lambda lg: ddtree.build_tree(lg, 8)))(logits)
+    got = jax.jit(jax.vmap(lambda a, b: ddtree.build_tree_from_topk(a, b, 8)))(v, i)
+    for field in ("tokens", "parents", "depths", "ancestor_mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)))
+    # no full-vocab gather: the only collectives move [B, L] sums and the [B, L, shards * K] candidates
+    c = collectives(f.lower(x).compile().as_text())
+    assert max(o["result_bytes"] for o in c["ops"]) <= 4 * 3 * 8 * 8 * 4
+
+
+# ------------------------------------------------------------------ loading
+def test_sharded_loading_reads_only_local_slices(ref, tmp_path, monkeypatch):
+    cfg, params = ref["cfg"], ref["target"].params
+    save_hf_checkpoint(cfg, params, tmp_path / "ck", shard_bytes=200_000)
+    reads = []
+    orig = SafetensorsDir.read
+
+    def spy(self, name, first=None):
+        reads.append((name, first))
+        return orig(self, name, first)
+
+    monkeypatch.setattr(SafetensorsDir, "read", spy)
+    mesh = make_mesh("tp2ep4")
+    t = load_target(tmp_path / "ck", mesh=mesh, layout="tp2ep4", progress=False, dtype="float32")
+    assert t.mesh is mesh and t.expert_fn is not None
+    want = param_shardings(cfg, mesh)
+    for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(t.params)[0], jax.tree_util.tree_leaves(want)):
+        assert a.sharding == s, path
+    monkeypatch.setattr(SafetensorsDir, "read", orig)
+    single = load_target(tmp_path / "ck", progress=False, dtype="float32")  # the checkpoint holds bf16 floats
+    flat_ref = dict(jax.tree_util.tree_flatten_with_path(single.params)[0])
+    for path, a in jax.tree_util.tree_flatten_with_path(t.params)[0]:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(flat_ref[path]))
+    # every routed-expert read is one expert's half (F split 2-way over tensor), never the whole tensor
+    expert_reads = [(n, f) for n, f in reads if ".experts." in n and "weight_shape" not in n]
+    assert expert_reads and all(f is not None for _, f in expert_reads)
+    # each expert tensor is read once per device holding a slice of it (tp2: 2 slices), not once per device
+    n0 = [f for n, f in expert_reads if n.endswith("layers.1.mlp.experts.0.gate_proj.weight_packed")]
+    assert len(n0) == 2 and {f[0].start for f in n0} == {0, 128}
+    np.testing.assert_allclose(np.asarray(t.forward(ref["tokens"])), np.asarray(single.forward(ref["tokens"])),
+                               atol=2e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ HLO accounting and the CLI
+def test_hlo_collective_accounting():
+    mesh = make_mesh("ep8")
+
+    def f(x, flag):
+        y = jax.shard_map(lambda a: jax.lax.psum(a, "expert"), mesh=mesh, in_specs=P(None, "expert"),
+                          out_specs=P())(x)  # all-reduce of [64, 8] f32 = 2048 B
+        z = jax.lax.cond(flag, lambda: jax.shard_map(lambda a: jax.lax.all_gather(a, "expert", tiled=True),
+                                                     mesh=mesh, in_specs=P("expert"), out_specs=P(),
+                                                     check_vma=False)(x), lambda: x)
+        return y, z
+
+    c = collectives(jax.jit(f).lower(jnp.ones((64, 64), jnp.float32), True).compile().as_text())
+    ar = [o for o in c["ops"] if o["kind"] == "all-reduce"]
+    ag = [o for o in c["ops"] if o["kind"] == "all-gather"]
+    assert [(o["operand_bytes"], o["conditional"]) for o in ar] == [(2048, False)]
+    assert ag and all(o["conditional"] for o in ag) and ag[0]["result_bytes"] == 64 * 64 * 4
+    assert c["executed_operand_bytes"] == 2048
+
+
+def test_experiments_cli(tmp_path, capsys):
+    from sharding.experiments import main
+    out = tmp_path / "r.json"
+    main(["--layouts", "single,ep8", "--model", "tiny8", "--layers", "2", "--method", "ddtree", "--budget", "4",
+          "--batch", "2", "--prompt-len", "8", "--steps", "4", "--repeats", "1", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "step ms" in text and "ep8" in text
+    res = json.loads(out.read_text())["results"]
+    assert [(r["layout"], r["devices"]) for r in res] == [("single", 1), ("ep8", 8)]
+    assert res[1]["same_tokens"]  # greedy DDTree under ep8 == one device
+    assert res[0]["coll_bytes"] == 0 and res[1]["coll_bytes"] > 0 and res[1]["collectives"]["all-reduce"]["count"] >= 1
+    assert res[1]["weights_bytes"] < res[0]["weights_bytes"] and all(r["step_ms"] > 0 for r in res)
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_two_processes_share_one_mesh():
+    """jax.distributed on 2 CPU processes x 4 devices: each loads only its shards; logits equal one process's."""
+    from sharding.multihost import check
+    assert check("ep8", nproc=2, local_devices=4, timeout=240) < 1e-4
