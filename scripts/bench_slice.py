@@ -45,23 +45,36 @@ def measure_roof(gib: float = 4.0, reps: int = 20) -> float:
     return 2 * n / float(np.median(ts))
 
 
-def step_floor_bytes(cfg, B: int, ctx: int, T: int = 1) -> dict:
-    """Bytes one target pass over T tokens per request must read (weights once, KV per request)."""
+def kimi_bytes(cfg) -> dict:
+    """Bytes each weight group of a Kimi config streams at decode: bf16 weights, INT4 routed experts with bf16
+    group scales. Per layer: attn (all MLA weights), attn_heads (the part split by head under tensor
+    parallelism: q_b, kv_b, o_proj), dense_mlp, shared (shared experts), router (gate), expert (one routed
+    expert); head (lm_head); kv_row (one token's latent cache row in one layer)."""
     D, H, Q, K, R = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     N, V, F, E = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.moe_intermediate_size, cfg.n_routed_experts
-    attn = 2 * (Q * D + H * (N + R) * Q + (K + R) * D + H * (N + V) * K + D * H * V)
-    dense = 2 * 3 * D * cfg.intermediate_size
-    expert = 3 * F * D // 2 + 3 * F * (D // cfg.quant_group_size) * 2  # INT4 words + bf16 scales
-    shared = 2 * 3 * D * F * cfg.n_shared_experts + 2 * E * D  # + router
+    heads = 2 * (H * (N + R) * Q + H * (N + V) * K + D * H * V)
+    return dict(attn=heads + 2 * (Q * D + (K + R) * D), attn_heads=heads, dense_mlp=2 * 3 * D * cfg.intermediate_size,
+                shared=2 * 3 * D * F * cfg.n_shared_experts, router=2 * E * D,
+                expert=3 * F * D // 2 + 3 * F * (D // cfg.quant_group_size) * 2,
+                head=2 * cfg.vocab_size * D, kv_row=2 * (K + R))
+
+
+def uniform_distinct(n_experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts used by `tokens` tokens routed uniformly (k of n_experts each)."""
+    return n_experts * (1 - (1 - k / n_experts) ** tokens)
+
+
+def step_floor_bytes(cfg, B: int, ctx: int, T: int = 1) -> dict:
+    """Bytes one target pass over T tokens per request must read (weights once, KV per request)."""
+    kb = kimi_bytes(cfg)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     n_dense = cfg.num_hidden_layers - n_moe
-    tokens = B * T
-    distinct = E * (1 - (1 - cfg.num_experts_per_tok / E) ** tokens)  # uniform-routing estimate
-    kv = 2 * B * ctx * (K + R) * cfg.num_hidden_layers
-    head = 2 * cfg.vocab_size * D
-    total = cfg.num_hidden_layers * attn + n_dense * dense + n_moe * (shared + distinct * expert) + kv + head
-    return dict(total=total, attn=cfg.num_hidden_layers * attn, dense=n_dense * dense,
-                moe=n_moe * (shared + distinct * expert), kv=kv, head=head, distinct_experts_est=distinct)
+    distinct = uniform_distinct(cfg.n_routed_experts, cfg.num_experts_per_tok, B * T)
+    kv = B * ctx * kb["kv_row"] * cfg.num_hidden_layers
+    moe = n_moe * (kb["shared"] + kb["router"] + distinct * kb["expert"])
+    total = cfg.num_hidden_layers * kb["attn"] + n_dense * kb["dense_mlp"] + moe + kv + kb["head"]
+    return dict(total=total, attn=cfg.num_hidden_layers * kb["attn"], dense=n_dense * kb["dense_mlp"],
+                moe=moe, kv=kv, head=kb["head"], distinct_experts_est=distinct)
 
 
 def main():
