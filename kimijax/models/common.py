@@ -21,8 +21,8 @@ def param(mod: nn.Module, name: str, shape, axes, dtype, init: str = "fan_in", f
     elif init == "bits":  # packed INT4 words: any 32 random bits are 8 valid nibbles
         fn = lambda key, s, d: jax.lax.bitcast_convert_type(jax.random.bits(key, s, jnp.uint32), jnp.int32)
     elif init == "int4_scale":  # q in [-8, 7] has std ~4.6; scale so weights have std 1/sqrt(fan_in)
-        fn = lambda key, s, d: (jnp.abs(jax.random.normal(key, s, jnp.float32)) * 0.5 + 0.75) / (
-            4.6 * math.sqrt(fan_in)) * jnp.ones((), d)
+        fn = lambda key, s, d: ((jnp.abs(jax.random.normal(key, s, jnp.float32)) * 0.5 + 0.75) / (
+            4.6 * math.sqrt(fan_in))).astype(d)  # bf16 like the checkpoint (an f32 x bf16 product stays f32)
     elif init == "small":  # router bias: small, so random models route ~uniformly like trained ones
         fn = lambda key, s, d: (0.01 * jax.random.normal(key, s, jnp.float32)).astype(d)
     elif init == "normal":
