@@ -50,7 +50,14 @@ class SpecRound:
 
     def build_tree(self, draft_logits_BLV):
         if self.method == "ddtree":
-            return jax.vmap(lambda lg: ddtree.build_tree(lg, self.nodes, self.topk_cap))(draft_logits_BLV)
+            tree_topk = getattr(self.target, "tree_topk", None)
+            if tree_topk is None:
+                return jax.vmap(lambda lg: ddtree.build_tree(lg, self.nodes, self.topk_cap))(draft_logits_BLV)
+            # the target's per-depth top-K: on a mesh it merges per-shard top-K instead of gathering [B, L, V]
+            K = ddtree.tree_width(self.nodes, draft_logits_BLV.shape[-1], self.topk_cap)
+            with jax.named_scope("ddtree_topk"):
+                top_logp_BLK, top_tokens_BLK = tree_topk(draft_logits_BLV, K)
+            return jax.vmap(lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes))(top_logp_BLK, top_tokens_BLK)
         return jax.vmap(ddtree.chain_tree)(draft_logits_BLV)
 
     def __call__(self, params, dparams, st):
