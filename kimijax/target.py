@@ -118,10 +118,8 @@ class KimiTarget:
     def tree_topk(self, logits_BLV, K: int):
         """Per-depth top-K log-probs and token ids of draft logits [B, L, V] (the DDTree input). On a mesh the
         vocab-sharded logits are never gathered: per-shard top-K merged in global ids (sharding/vocab.py)."""
-        if self.mesh is not None:
-            from sharding.vocab import topk_logprobs
-            return topk_logprobs(logits_BLV, K, self.mesh)
-        return jax.lax.top_k(jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1), K)
+        from sharding.vocab import topk_logprobs
+        return topk_logprobs(logits_BLV, K, self.mesh)  # without a mesh: ddtree.topk_logprobs
 
     def prefill(self, params, caches, tokens_BT, lens_B, capture=()):
         """Prompt pass (naive MLA) writing cache slots 0..T-1. -> (last-token logits [B,V], caches, captured)."""

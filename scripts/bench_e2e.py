@@ -69,12 +69,21 @@ def run_grid(args) -> dict:
     held = json.loads((Path(args.prompts or Path(args.drafter) / "heldout_prompts.json")).read_text())["prompts"]
     chats = [target.tokenizer.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in held]
     chats = [c for c in chats if len(c) <= args.max_prompt_tokens]
+    # HBM read roof in this run (GPU only) and the weight bytes a decode step must read at least once
+    weights_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(target.params))
+    roof = None
+    if dev.platform == "gpu":
+        from bench_slice import measure_roof
+        roof = measure_roof()
+        print(f"HBM read roof {roof / 1e12:.2f} TB/s; target weights {weights_bytes / 1e6:.0f} MB "
+              f"(floor {weights_bytes / roof * 1e3:.3f} ms per step)", flush=True)
     out_path = Path(args.out)
     res = json.loads(out_path.read_text()) if args.append and out_path.exists() else dict(
         script="scripts/bench_e2e.py", argv=sys.argv[1:], date=time.strftime("%Y-%m-%d"),
         device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, target=target.name,
         target_dtype=args.dtype, drafter=str(args.drafter), max_new_tokens=args.max_new,
-        heldout_prompts=len(chats), ar_baseline_ms=AR_BASELINE_MS, rows=[], skipped=[])
+        heldout_prompts=len(chats), ar_baseline_ms=AR_BASELINE_MS, roof_bytes_per_s=roof,
+        weights_bytes=weights_bytes, rows=[], skipped=[])
     t_start = time.time()
     grid = args.rows or [(t, c, m, b) for t in args.temps for c in args.concurrency for m, b in args.methods]
     ar_tokens: dict[tuple[float, int], list] = {}
@@ -135,6 +144,9 @@ def table(res: dict) -> str:
                      f"{r.get('speedup_vs_ar', 1.0):.2f} | {r['mean_acceptance']:.2f} | {r['ms_per_round']:.2f} | "
                      f"{f('draft_ms')} | {f('tree_ms')} | {f('verify_ms')} | {f('accept_commit_ms')} | "
                      f"{r.get('equals_ar', '')} |")
+    if res.get("roof_bytes_per_s"):
+        lines.append(f"\nHBM read roof {res['roof_bytes_per_s'] / 1e12:.2f} TB/s in this run; a step reads at least "
+                     f"{res['weights_bytes'] / 1e6:.0f} MB of weights = {res['weights_bytes'] / res['roof_bytes_per_s'] * 1e3:.3f} ms.")
     return "\n".join(lines)
 
 

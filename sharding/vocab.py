@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from kimijax.spec.ddtree import topk_logprobs as ddtree_topk_logprobs
 from sharding.mesh import mesh_sizes
 from sharding.rules import LOGICAL_RULES, batch_axis
 
@@ -28,16 +29,12 @@ def vocab_axes(mesh: Mesh, V: int) -> tuple[str, ...]:
     return axes if axes and V % math.prod(sizes[a] for a in axes) == 0 else ()
 
 
-def _reference(logits_BLV, K):
-    return lax.top_k(jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1), K)
-
-
 def topk_logprobs(logits_BLV, K: int, mesh: Mesh | None):
     """-> (log-probs [B, L, K] f32 descending, global token ids [B, L, K] int32)."""
     V = logits_BLV.shape[-1]
     axes = () if mesh is None else vocab_axes(mesh, V)
     if not axes:
-        return _reference(logits_BLV, K)
+        return ddtree_topk_logprobs(logits_BLV, K)  # one device: the tree builder's own top-K
     n = math.prod(mesh_sizes(mesh)[a] for a in axes)
     Vl = V // n
     k_loc = min(K, Vl)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -52,10 +53,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, w, self.eps)
 
 
-def swiglu(x_BTD, w_gate_FD, w_up_FD, w_down_DF):
-    g = jnp.einsum("btd,fd->btf", x_BTD, w_gate_FD)
-    u = jnp.einsum("btd,fd->btf", x_BTD, w_up_FD)
-    return jnp.einsum("btf,df->btd", jax.nn.silu(g) * u, w_down_DF)
+def swiglu(x_BTD, w_gate_FD, w_up_FD, w_down_DF, precision=None):
+    g = jnp.einsum("btd,fd->btf", x_BTD, w_gate_FD, precision=precision)
+    u = jnp.einsum("btd,fd->btf", x_BTD, w_up_FD, precision=precision)
+    return jnp.einsum("btf,df->btd", jax.nn.silu(g) * u, w_down_DF, precision=precision)
 
 
 class MLP(nn.Module):
@@ -63,13 +64,14 @@ class MLP(nn.Module):
     dim: int
     hidden: int
     dtype: jnp.dtype
+    precision: Any = None  # dot precision (the f32 Llama target asks for HIGHEST); None = backend default
 
     @nn.compact
     def __call__(self, x_BTD):
         g = param(self, "gate_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
         u = param(self, "up_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
         d = param(self, "down_proj", (self.dim, self.hidden), ("embed", "mlp"), self.dtype)
-        return swiglu(x_BTD, g, u, d)
+        return swiglu(x_BTD, g, u, d, self.precision)
 
 
 # ---------------------------------------------------------------- rope

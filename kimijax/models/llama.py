@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimijax.config import ConfigError
-from kimijax.models.common import RMSNorm, apply_rope_half, causal_tree_mask, param, rope_cos_sin
+from kimijax.models.common import MLP, RMSNorm, apply_rope_half, causal_tree_mask, param, rope_cos_sin
 from kimijax.target import gather_rows
 from pallas_kernels.tree_attention import visibility_mask
 
@@ -147,23 +147,6 @@ class LlamaAttention(nn.Module):
         return jnp.einsum("bthe,dhe->btd", o, w_o, precision=pr), cache
 
 
-class LlamaMLP(nn.Module):
-    """down(silu(gate x) * up x); weights [out, in] as in HF (common.MLP with an explicit dot precision)."""
-    dim: int
-    hidden: int
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x_BTD):
-        g = param(self, "gate_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
-        u = param(self, "up_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
-        d = param(self, "down_proj", (self.dim, self.hidden), ("embed", "mlp"), self.dtype)
-        pr = matmul_precision(self.dtype)
-        h = jax.nn.silu(jnp.einsum("btd,fd->btf", x_BTD, g, precision=pr)) * jnp.einsum("btd,fd->btf", x_BTD, u,
-                                                                                         precision=pr)
-        return jnp.einsum("btf,df->btd", h, d, precision=pr)
-
-
 class LlamaLayer(nn.Module):
     cfg: LlamaConfig
     dtype: Any
@@ -177,7 +160,7 @@ class LlamaLayer(nn.Module):
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
         with jax.named_scope("mlp"):
-            f = LlamaMLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(h)
+            f = MLP(c.hidden_size, c.intermediate_size, self.dtype, matmul_precision(self.dtype), name="mlp")(h)
         return x_BTD + f, cache
 
 

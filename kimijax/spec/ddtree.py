@@ -50,7 +50,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Tree", "build_tree", "build_tree_batched", "build_tree_from_topk", "chain_tree", "tree_width"]
+__all__ = ["Tree", "build_tree", "build_tree_batched", "build_tree_from_topk", "chain_tree", "topk_logprobs", "tree_width"]
 
 
 @functools.partial(
@@ -198,14 +198,16 @@ def build_tree_from_topk(top_logp_LK, top_tokens_LK, budget: int) -> Tree:
 
 def build_tree(draft_logits_LV, budget: int, topk_cap: int | None = None) -> Tree:
     """DDTree for one request from the drafter's logits for depths 1..L. `budget` (= N) and `topk_cap` static."""
-    L, V = draft_logits_LV.shape
-    K = tree_width(budget, V, topk_cap)
+    K = tree_width(budget, draft_logits_LV.shape[-1], topk_cap)
     with jax.named_scope("ddtree_topk"):
-        # T=1 log-softmax of the raw draft logits (tree scores ignore the request temperature). lax.top_k
-        # returns equal values in ascending index order, the per-depth rank tie-break.
-        logp_LV = jax.nn.log_softmax(draft_logits_LV.astype(jnp.float32), axis=-1)
-        top_logp_LK, top_tokens_LK = jax.lax.top_k(logp_LV, K)
+        top_logp_LK, top_tokens_LK = topk_logprobs(draft_logits_LV, K)
     return build_tree_from_topk(top_logp_LK, top_tokens_LK, budget)
+
+
+def topk_logprobs(draft_logits_V, K: int):
+    """Per-depth top-K of the T=1 log-softmax of raw draft logits [..., V] (tree scores ignore the request
+    temperature). lax.top_k returns equal values in ascending index order, the per-depth rank tie-break."""
+    return jax.lax.top_k(jax.nn.log_softmax(draft_logits_V.astype(jnp.float32), axis=-1), K)
 
 
 def build_tree_batched(draft_logits_BLV, budget: int, topk_cap: int | None = None) -> Tree:

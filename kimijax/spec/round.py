@@ -50,10 +50,8 @@ class SpecRound:
 
     def build_tree(self, draft_logits_BLV):
         if self.method == "ddtree":
-            tree_topk = getattr(self.target, "tree_topk", None)
-            if tree_topk is None:
-                return jax.vmap(lambda lg: ddtree.build_tree(lg, self.nodes, self.topk_cap))(draft_logits_BLV)
-            # the target's per-depth top-K: on a mesh it merges per-shard top-K instead of gathering [B, L, V]
+            # the target's per-depth top-K (on a mesh: per-shard top-K merged, never a [B, L, V] gather)
+            tree_topk = getattr(self.target, "tree_topk", ddtree.topk_logprobs)
             K = ddtree.tree_width(self.nodes, draft_logits_BLV.shape[-1], self.topk_cap)
             with jax.named_scope("ddtree_topk"):
                 top_logp_BLK, top_tokens_BLK = tree_topk(draft_logits_BLV, K)
