@@ -272,8 +272,10 @@ def save_params(target, path: str | os.PathLike):
 
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / "params", target.params, force=True)
+    from kimijax.target import convert_expert_layout
+
+    with ocp.StandardCheckpointer() as ckptr:  # always the checkpoint layout (restore_params expects it)
+        ckptr.save(path / "params", convert_expert_layout(target.params, "checkpoint", target.mesh), force=True)
     (path / ORBAX_META).write_text(json.dumps({"config": dataclasses.asdict(target.cfg), "kind": "kimi",
                                                "source": target.source}, indent=1))
 
@@ -349,7 +351,7 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
     place each tensor directly on its shards; with a `mesh` (sharding.mesh.make_mesh) the target also runs
     its routed experts expert-parallel (sharding.moe_ep) and puts its caches on the mesh.
     """
-    from kimijax.target import KimiTarget, random_kimi_params
+    from kimijax.target import KimiTarget, convert_expert_layout, random_kimi_params, resolve_expert_layout
     if str(path_or_preset) == SMOLLM2_PRESET or _is_gguf(path_or_preset):
         return _load_gguf_target(path_or_preset, dtype, mesh, shardings, layout, progress)
     attn_impl = attn_impl or default_kernel_impl("tree_attention")
@@ -363,6 +365,12 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
         shardings_fn = lambda cfg: param_shardings(cfg, mesh, layout)
     else:
         shardings_fn = lambda cfg: shardings
+
+    def owned(cfg, params):
+        """Freshly loaded params (nothing else holds them): put the routed experts in the layout the MoE
+        implementation wants now, donating each layer's checkpoint-layout arrays (no second copy of the model)."""
+        return convert_expert_layout(params, resolve_expert_layout(cfg, moe_impl, mesh), mesh, donate=True,
+                                     progress=progress)
 
     if not p.exists():
         name = str(path_or_preset)
@@ -379,6 +387,7 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
         sh = shardings_fn(cfg)
         if sh is not None:
             params = jax.device_put(params, sh)
+        params = owned(cfg, params)
         return KimiTarget(cfg, params, attn_impl, moe_impl, name=name, random_weights=True, source=name, mesh=mesh)
 
     if (p / ORBAX_META).exists():
@@ -386,7 +395,7 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
         cfg = _config_from_dict(info["config"])
         if dtype:
             cfg = dataclasses.replace(cfg, dtype=dtype)
-        params = restore_params(p, cfg, shardings_fn(cfg))
+        params = owned(cfg, restore_params(p, cfg, shardings_fn(cfg)))
         return KimiTarget(cfg, params, attn_impl, moe_impl, tokenizer=_maybe_tokenizer(p), name=p.name,
                           source=info.get("source", str(p)), mesh=mesh)
 
@@ -400,7 +409,7 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
     cfg = KimiConfig.from_hf(hf)
     if dtype:
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    params = load_checkpoint_params(p, cfg, shardings_fn(cfg), progress=progress)
+    params = owned(cfg, load_checkpoint_params(p, cfg, shardings_fn(cfg), progress=progress))
     return KimiTarget(cfg, params, attn_impl, moe_impl, tokenizer=_maybe_tokenizer(p), name=p.name, source=str(p),
                       mesh=mesh)
 
@@ -423,7 +432,10 @@ def save_hf_checkpoint(cfg: KimiConfig, params, path: str | os.PathLike, *, nest
     cfg = dataclasses.replace(cfg, weight_prefix="language_model." if nested else "")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    flat = {tuple(k.key for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(meta.unbox(params))[0]}
+    from kimijax.target import convert_expert_layout
+
+    params = convert_expert_layout(meta.unbox(params), "checkpoint")  # a target's params may hold the kernel layout
+    flat = {tuple(k.key for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     tensors: dict[str, np.ndarray] = {}
     for key, s in param_sources(cfg, cfg.weight_prefix).items():
         arr = np.asarray(flat[key])

@@ -57,12 +57,20 @@ class KimiTarget:
     source: str = ""
     expert_fn: Any = None  # routed-expert override (expert parallelism); see sharding/moe_ep.py
     mesh: Any = None  # a sharding.mesh mesh: params are expected on it (sharding.rules); caches are put on it
+    # INT4 routed experts in memory: "checkpoint", "kernel" (the Pallas MoE's layout) or "auto" (kernel when
+    # moe_impl is a kernel and the shapes allow it). Params arriving in the other layout are converted once,
+    # into a copy (the caller may still hold them); load_target converts in place (donated) before this.
+    expert_layout: str = "auto"
 
     def __post_init__(self):
         if self.mesh is not None and self.expert_fn is None:
             from sharding.moe_ep import make_expert_fn
             self.expert_fn = make_expert_fn(self.mesh)
-        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn)
+        want = resolve_expert_layout(self.cfg, self.moe_impl, self.mesh, self.expert_layout)
+        if self.params is not None and params_expert_layout(self.params) != want:
+            self.params = convert_expert_layout(self.params, want, self.mesh)
+        self.expert_layout = want
+        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn, want)
         self._forward = jax.jit(self._forward_fn)
 
     # ---- facts the engine needs
@@ -102,8 +110,12 @@ class KimiTarget:
         sharding.moe_ep (for loading straight onto a mesh use load_target(path, mesh=..., layout=...))."""
         from sharding.moe_ep import make_expert_fn
         from sharding.rules import param_shardings
-        params = jax.device_put(self.params, param_shardings(self.cfg, mesh, layout))
-        return dataclasses.replace(self, params=params, mesh=mesh, expert_fn=make_expert_fn(mesh, dispatch))
+        # via the checkpoint layout: the kernel layout's validity depends on the new mesh's tensor axis
+        params = convert_expert_layout(self.params, "checkpoint")
+        params = jax.device_put(params, param_shardings(self.cfg, mesh, layout))
+        layout_pref = "auto" if self.expert_layout == "kernel" else self.expert_layout
+        return dataclasses.replace(self, params=params, mesh=mesh, expert_fn=make_expert_fn(mesh, dispatch),
+                                   expert_layout=layout_pref)
 
     # ---- pure functions
     def _apply(self, params, *args, method=None, **kw):
@@ -160,8 +172,88 @@ def expert_ids(state, cfg: KimiConfig):
     return jnp.stack(ids) if ids else jnp.zeros((0,), jnp.int32)
 
 
+EXPERT_KEYS = {"checkpoint": ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"),
+               "kernel": ("gate_planar", "gate_scale_t", "up_planar", "up_scale_t", "down_planar", "down_scale_t")}
+
+
+def resolve_expert_layout(cfg: KimiConfig, moe_impl: str, mesh=None, want: str = "auto") -> str:
+    """The routed-expert layout a target keeps: "kernel" when the Pallas MoE runs and D and F (per tensor
+    shard) are multiples of its 128-input superblock, else "checkpoint". An explicit "kernel" the shapes or
+    weights do not allow raises ValueError."""
+    from pallas_kernels.moe_int4 import kernel_layout_ok
+
+    if want not in ("auto", "checkpoint", "kernel"):
+        raise ValueError(f"unknown expert layout {want!r}: choose auto, checkpoint or kernel")
+    if want == "checkpoint":
+        return want
+    tp = 1
+    if mesh is not None:
+        from sharding.mesh import mesh_sizes
+        tp = mesh_sizes(mesh)["tensor"]
+    ok = cfg.experts_int4 and kernel_layout_ok(cfg.hidden_size, cfg.moe_intermediate_size, tp)
+    if want == "kernel" and not ok:
+        raise ValueError(f"the kernel expert layout needs INT4 experts with hidden_size and moe_intermediate_size"
+                         f"/{tp} divisible by 128 (got int4={cfg.experts_int4}, D={cfg.hidden_size}, "
+                         f"F={cfg.moe_intermediate_size})")
+    if want == "kernel":
+        return want
+    return "kernel" if ok and moe_impl in ("pallas", "interpret") else "checkpoint"
+
+
+def _moe_blocks(params):
+    """(layer name, mlp dict) of every layer whose routed experts are INT4."""
+    for name, layer in params.items():
+        mlp = layer.get("mlp") if hasattr(layer, "get") else None
+        if mlp is not None and any(k in mlp for k in EXPERT_KEYS["checkpoint"][:1] + EXPERT_KEYS["kernel"][:1]):
+            yield name, mlp
+
+
+def params_expert_layout(params) -> str:
+    for _, mlp in _moe_blocks(params):
+        return "kernel" if "gate_planar" in mlp else "checkpoint"
+    return "checkpoint"  # no INT4 experts: nothing to convert
+
+
+def convert_expert_layout(params, layout: str, mesh=None, donate: bool = False, progress: bool = False):
+    """Params with every layer's INT4 routed experts in `layout` ("checkpoint" | "kernel"); other leaves are
+    shared, not copied. One jitted conversion per layer, so the temporary is one layer's experts; donate=True
+    (load time, when nothing else holds the params) frees each layer's old arrays as it goes. On a mesh the
+    converted arrays get the shardings of the new layout's logical axes (the transposed scales swap theirs)."""
+    import warnings
+
+    from pallas_kernels.moe_int4 import relayout_for_kernel, relayout_to_checkpoint
+
+    if layout not in EXPERT_KEYS:
+        raise ValueError(f"unknown expert layout {layout!r}: choose checkpoint or kernel")
+    src = EXPERT_KEYS["kernel" if layout == "checkpoint" else "checkpoint"]
+    fn = relayout_for_kernel if layout == "kernel" else relayout_to_checkpoint
+    out = dict(params)
+    todo = [(name, mlp) for name, mlp in _moe_blocks(params) if src[0] in mlp]
+    if not todo:
+        return params
+    convert = None
+    if progress:
+        from tqdm.auto import tqdm
+        todo = tqdm(todo, desc=f"experts -> {layout} layout", unit="layer")
+    for name, mlp in todo:
+        experts = {k: mlp[k] for k in src}
+        if convert is None:
+            out_sh = None
+            if mesh is not None:
+                from jax.sharding import NamedSharding
+                from sharding.moe_ep import expert_specs
+                shapes = jax.eval_shape(fn, experts)
+                out_sh = {k: NamedSharding(mesh, p) for k, p in expert_specs(shapes, mesh).items()}
+            convert = jax.jit(fn, out_shardings=out_sh, donate_argnums=(0,) if donate else ())
+        with warnings.catch_warnings():  # backends without donation say so once per call
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            new = convert(experts)
+        out[name] = {**params[name], "mlp": {**{k: v for k, v in mlp.items() if k not in src}, **new}}
+    return out
+
+
 def random_kimi_params(cfg: KimiConfig, seed: int = 0):
-    """Random weights (INT4 experts in the real packed layout) for tests and benchmarks."""
+    """Random weights (INT4 experts in the checkpoint layout) for tests and benchmarks."""
     from flax.core import meta
 
     module = Kimi(cfg)
@@ -170,8 +262,8 @@ def random_kimi_params(cfg: KimiConfig, seed: int = 0):
     return meta.unbox(params)
 
 
-def abstract_params(cfg: KimiConfig):
+def abstract_params(cfg: KimiConfig, expert_layout: str = "checkpoint"):
     """ShapeDtypeStructs with logical axis names (boxed), without allocating anything."""
-    module = Kimi(cfg)
+    module = Kimi(cfg, expert_layout=expert_layout)
     toks = jnp.zeros((1, 2), jnp.int32)
     return jax.eval_shape(lambda k: module.init(k, toks, method=Kimi.init_all), jax.random.PRNGKey(0))["params"]

@@ -17,11 +17,14 @@ subtracts 136 (exact).  Plane i of a superblock is scale group 4*s + i, so the k
 [rows, 32] plane by the matching 32 activations and applies the group's scale to the f32 result.  The
 scales are transposed ([E, in/32, out]) so a plane's scales for a tile of rows are one contiguous load.
 Shapes and byte counts are unchanged.  Both the reference and the kernel accept either layout; handing the
-checkpoint layout to the kernel re-lays the whole layer out on every call (correct but slow): call
-`relayout_for_kernel` once at load time.
+checkpoint layout to the kernel re-lays the whole layer out on every call (correct but slow: 36.5 ms vs
+0.285 ms per Kimi layer at T=1 on the H200).  So the target stores the kernel layout: `KimiTarget` converts
+the checkpoint-layout experts once when it is built with the kernel (`kimijax/target.py`,
+`convert_expert_layout`, one jitted `relayout_for_kernel` per layer, sharding-aware), and the savers convert
+back with `relayout_to_checkpoint`.  The layout needs D and F (per tensor-parallel shard) divisible by 128.
 
 Implementations (`moe(..., impl=...)`): "xla" (`moe_ref`), "pallas" (Triton-lowered Pallas kernels, GPU),
-"interpret" (the same kernels with interpret=True, for CPU tests).  `default_impl()` is "xla" until the loader stores the kernel layout (see it).
+"interpret" (the same kernels with interpret=True, for CPU tests).  `default_impl()`: "pallas" on GPU.
 
 Kernel design (two pallas_calls + a few tiny XLA ops):
   1. gate/up: grid (U work slots, F / block_f).  A slot is one used expert; its program streams the
@@ -67,11 +70,7 @@ _PLANAR_KEYS = ("gate_planar", "gate_scale_t", "up_planar", "up_scale_t", "down_
 
 
 def default_impl() -> str:
-    # XLA everywhere for now. The loader keeps experts in the checkpoint layout, and the kernel then re-lays a
-    # whole layer out inside every call: 36.5 ms per MoE layer at T=1 on the H200 vs 0.285 ms with the experts
-    # already in the kernel layout and ~1.7 ms for the XLA reference (BENCHMARKS.md, issue 7 run). Switch
-    # back to "pallas" once load_target stores the kernel layout (relayout_for_kernel at load, sharding-aware).
-    return "xla"
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +122,27 @@ def relayout_for_kernel(experts: dict) -> dict:
         "down_planar": to_planar(experts["down_packed"]),
         "down_scale_t": jnp.swapaxes(experts["down_scale"], 1, 2),
     }
+
+
+def relayout_to_checkpoint(experts: dict) -> dict:
+    """Inverse of `relayout_for_kernel` (for savers): kernel layout -> checkpoint layout, bit for bit."""
+    if "gate_planar" not in experts:
+        return experts
+    from_planar = lambda a: lax.map(_from_planar, a)
+    return {
+        "gate_packed": from_planar(experts["gate_planar"]),
+        "gate_scale": jnp.swapaxes(experts["gate_scale_t"], 1, 2),
+        "up_packed": from_planar(experts["up_planar"]),
+        "up_scale": jnp.swapaxes(experts["up_scale_t"], 1, 2),
+        "down_packed": from_planar(experts["down_planar"]),
+        "down_scale": jnp.swapaxes(experts["down_scale_t"], 1, 2),
+    }
+
+
+def kernel_layout_ok(D: int, F: int, tp: int = 1) -> bool:
+    """Whether experts of width D x F can take the kernel layout with F split `tp` ways (tensor parallel):
+    superblocks of 128 inputs must not straddle a row end or an F shard."""
+    return D % SB == 0 and F % tp == 0 and (F // tp) % SB == 0
 
 
 def _dequant_planar(planar, scale_t, dtype):

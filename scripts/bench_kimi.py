@@ -12,11 +12,10 @@ pin exact lists (METHOD:B:CTX, e.g. b8:8:4k).
 The slice: dense layer 0 + `--layers - 1` MoE layers at full width (hidden 7168, 64 MLA heads, 384 INT4
 experts with bf16 group scales, 163840-row embedding and lm_head) and a full-width random DFlash drafter
 (6 layers, 7168 wide, 64/8 heads, 18432 MLP, block 8), all random. MoE layers 2.. are permuted copies of
-layer 1 (same distribution, different function, separate buffers). The routed experts are handed to the
-kernel in its own layout ("planar", what `relayout_for_kernel` makes at load time): random bits are random
-bits, so the packed words are read as planar words and the scales reshaped, no data moves
-(`--expert-layout checkpoint` runs the model's default path instead, which re-lays the experts out inside
-every call; see the report). Random weights give meaningless acceptance.
+layer 1 (same distribution, different function, separate buffers). The target converts the routed experts
+to the kernel's layout once when it is built (what load_target does for a checkpoint; `--expert-layout
+checkpoint` keeps the checkpoint layout instead, which makes the kernel re-lay the experts out inside every
+call; see the report). Random weights give meaningless acceptance.
 
 Fixed tree shape. The Engine cannot force a particular tree, and it does not need to: every shape in a
 DDTree round is static (budget N -> N+1 verify slots, block_size-1 drafted depths, block_size commit
@@ -199,29 +198,6 @@ def build_target_params(cfg, n_layers: int, seed: int):
     return params
 
 
-def planar_expert_fn(x_TD, ids_Tk, w_Tk, experts, impl):
-    """Routed experts with the (random) packed words read as the kernel's planar layout and the scales
-    reshaped to its transposed shape: what the kernel gets after `relayout_for_kernel` at load time, at zero
-    cost (a reshape is a bitcast). Checkpoint names are kept so the model's parameter shapes still match."""
-    from pallas_kernels.moe_int4 import moe
-
-    if "gate_packed" in experts and planar_ok(experts["gate_packed"].shape):
-        E, F, Dp = experts["gate_packed"].shape
-        D = Dp * 8
-        experts = {"gate_planar": experts["gate_packed"], "up_planar": experts["up_packed"],
-                   "down_planar": experts["down_packed"],
-                   "gate_scale_t": experts["gate_scale"].reshape(E, experts["gate_scale"].shape[2], F),
-                   "up_scale_t": experts["up_scale"].reshape(E, experts["up_scale"].shape[2], F),
-                   "down_scale_t": experts["down_scale"].reshape(E, experts["down_scale"].shape[2], D)}
-    return moe(x_TD, ids_Tk, w_Tk, experts, impl=impl)
-
-
-def planar_ok(packed_shape) -> bool:
-    """The planar layout cuts rows into 128-input superblocks: D and F must be multiples of 128."""
-    _, F, Dp = packed_shape
-    return (Dp * 8) % 128 == 0 and F % 128 == 0
-
-
 @dataclasses.dataclass
 class Slice:
     cfg: object
@@ -236,7 +212,7 @@ def build_slice(args) -> Slice:
     from kimijax.config import KIMI_K26, TINY
     from kimijax.loading import default_kernel_impl
     from kimijax.models.drafter import DrafterConfig, default_target_layer_ids, random_drafter
-    from kimijax.target import KimiTarget
+    from kimijax.target import KimiTarget, convert_expert_layout
 
     n = args.layers
     # smoke: TINY with D and F multiples of 128, so the planar expert path runs on CPU too
@@ -246,10 +222,12 @@ def build_slice(args) -> Slice:
     moe_impl = args.kernels or default_kernel_impl("moe_int4")
     t = time.perf_counter()
     params = build_target_params(cfg, n, args.seed)
-    jax.block_until_ready(params)
+    layout = args.expert_layout if moe_impl != "xla" else "checkpoint"  # the XLA reference reads checkpoints
+    # converted here with donation, as load_target does (the target would copy: 2x the experts' memory)
+    params = convert_expert_layout(params, layout, donate=True)
+    target = KimiTarget(cfg, params, attn_impl, moe_impl, random_weights=True, expert_layout=layout)
+    jax.block_until_ready(target.params)
     t_init = time.perf_counter() - t
-    fn = planar_expert_fn if args.expert_layout == "kernel" else None
-    target = KimiTarget(cfg, params, attn_impl, moe_impl, random_weights=True, expert_fn=fn)
     if args.smoke:
         from sharding.experiments import small_drafter_config
         dcfg = small_drafter_config(cfg, block_size=args.block_size or 4)
@@ -711,17 +689,23 @@ class Components:
         return self._timed(("attn", B, T, L), build)
 
     def moe(self, N, checkpoint_layout: bool = False):
-        """The MoE block; checkpoint_layout: without the planar view, i.e. the model's own path, where the
-        kernel gets the checkpoint layout and re-lays every expert out inside the call."""
+        """The MoE block as the target runs it; checkpoint_layout: with the experts converted back to the
+        checkpoint layout, which the kernel then re-lays out inside every call (what a target without the
+        load-time conversion would do)."""
         import jax
         from kimijax.models.moe import MoE
+        from kimijax.target import convert_expert_layout
 
         def build():
-            c, dt = self.cfg, self.sl.target.dtype
-            m = MoE(c, dt, self.sl.info["moe_impl"], None if checkpoint_layout else self.sl.target.expert_fn)
+            c, dt, tg = self.cfg, self.sl.target.dtype, self.sl.target
+            layout = "checkpoint" if checkpoint_layout else tg.expert_layout
+            m = MoE(c, dt, self.sl.info["moe_impl"], tg.expert_fn, layout)
             f = jax.jit(lambda p, x: m.apply({"params": p}, x))
             x = self._rand((1, N, c.hidden_size), dt)
-            return loop_ms(lambda _: f(self.p_moe["mlp"], x), None)
+            p = self.p_moe["mlp"]
+            if layout != tg.expert_layout:
+                p = convert_expert_layout({"l": {"mlp": p}}, layout)["l"]["mlp"]
+            return loop_ms(lambda _: f(p, x), None)
         return self._timed(("moe_ckpt" if checkpoint_layout else "moe", N), build)
 
     def router(self, N):

@@ -343,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--intermediate", type=int, default=1536)
     g.add_argument("--shard-mib", type=float, default=15.0,
                    help="split the checkpoint into HF shards of at most this size (0: one file)")
+    g.add_argument("--init-from", default=None, help="start from this saved drafter (same config) instead of random")
     g.add_argument("--mask-token", default="<empty_output>", help="special token used as MASK (frozen embedding)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=6000, help="upper bound; the time budget may stop earlier")
@@ -471,6 +472,16 @@ def main(argv=None) -> int:
                          dtype="bfloat16" if on_gpu else "float32")
     master_cfg = dataclasses.replace(dcfg, dtype="float32")
     dparams = random_drafter(master_cfg, target, seed=args.seed).params  # f32 master weights
+    if args.init_from:  # continue a saved drafter (same shapes), e.g. a longer run in another device call
+        d0 = kimijax.load_drafter(args.init_from, target, dtype="float32")
+        mine = dataclasses.asdict(master_cfg)
+        theirs = dataclasses.asdict(dataclasses.replace(d0.cfg, dtype="float32"))
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            raise SystemExit(f"--init-from {args.init_from}: its config differs from this run's (theirs, ours): {diff}")
+        dparams = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), d0.params)
+        report["init_from"] = str(args.init_from)
+        print(f"initialised from {args.init_from}", flush=True)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(dparams))
     print(f"drafter: {args.layers} layers, block {bs}, context layers {list(ids)}, mask id {mask_id} "
           f"({args.mask_token}), {n_params / 1e6:.2f}M params ({2 * n_params / 2**20:.1f} MiB bf16), gamma {gamma}",

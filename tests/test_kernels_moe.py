@@ -73,7 +73,7 @@ def _check(T, K, E, F=256, D=256, *, quant=True, pool=None, ids=None, relayout=T
     return y, y_ref
 
 
-def test_default_impl_is_xla_on_cpu():
+def test_default_impl_is_xla_on_cpu():  # the kernel by default on GPU (pallas), the reference here
     assert mi.default_impl() == "xla"
 
 
@@ -174,3 +174,57 @@ def test_relayout_roundtrip_and_reference_on_both_layouts():
     np.testing.assert_array_equal(np.asarray(mi.moe_ref(x, ids, wt, ex), np.float32),
                                   np.asarray(mi.moe_ref(x, ids, wt, ex_k), np.float32))
     assert mi.num_experts(ex) == mi.num_experts(ex_k) == 3
+
+
+# ------------------------------------------------------------------ the target keeps the kernel layout
+def _kernel_cfg():
+    import dataclasses
+
+    from kimijax.config import TINY
+    return dataclasses.replace(TINY, hidden_size=128, moe_intermediate_size=128, intermediate_size=256,
+                               dtype="float32")
+
+
+def test_target_converts_experts_once_and_computes_the_same(tmp_path):
+    from kimijax.loading import load_target, save_hf_checkpoint
+    from kimijax.target import KimiTarget, convert_expert_layout, params_expert_layout, random_kimi_params
+
+    cfg = _kernel_cfg()
+    p = random_kimi_params(cfg, seed=_seed() % 2**31)
+    ckpt = KimiTarget(cfg, p)  # moe_impl xla -> checkpoint layout, params untouched
+    assert ckpt.expert_layout == "checkpoint" and ckpt.params is p
+    kern = KimiTarget(cfg, p, moe_impl="interpret")  # the kernel -> kernel layout, converted at construction
+    assert kern.expert_layout == "kernel" and params_expert_layout(kern.params) == "kernel"
+    mlp = kern.params["layers_1"]["mlp"]
+    assert set(mlp) >= set(mi._PLANAR_KEYS) and "gate_packed" not in mlp
+    assert mlp["gate_scale_t"].shape == (cfg.n_routed_experts, cfg.hidden_size // 32, cfg.moe_intermediate_size)
+    assert kern.params["layers_0"] is p["layers_0"]  # non-expert leaves are shared, not copied
+    assert "gate_packed" in p["layers_1"]["mlp"]  # the caller's params are not consumed
+    # the reference reads both layouts bit for bit; the kernel matches it within bf16 rounding
+    ref_kern = KimiTarget(cfg, p, moe_impl="xla", expert_layout="kernel")
+    toks = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 7))
+    l_ckpt = np.asarray(ckpt.forward(toks))
+    np.testing.assert_array_equal(np.asarray(ref_kern.forward(toks)), l_ckpt)
+    np.testing.assert_allclose(np.asarray(kern.forward(toks)), l_ckpt, atol=5e-2, rtol=5e-2)
+    back = convert_expert_layout(kern.params, "checkpoint")
+    for k in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"):
+        np.testing.assert_array_equal(np.asarray(back["layers_1"]["mlp"][k]), np.asarray(p["layers_1"]["mlp"][k]))
+    # savers write the checkpoint layout whatever the target holds; loading for the kernel converts again
+    save_hf_checkpoint(cfg, kern.params, tmp_path / "ck")
+    again = load_target(tmp_path / "ck", moe_impl="interpret", attn_impl="xla", progress=False, dtype="float32")
+    assert again.expert_layout == "kernel"
+    np.testing.assert_array_equal(np.asarray(again.params["layers_1"]["mlp"]["gate_planar"]),
+                                  np.asarray(mlp["gate_planar"]))
+
+
+def test_kernel_layout_refused_where_shapes_do_not_allow_it():
+    from kimijax.config import TINY
+    from kimijax.target import KimiTarget, random_kimi_params, resolve_expert_layout
+
+    assert resolve_expert_layout(TINY, "interpret") == "checkpoint"  # D = 64: not a 128-input superblock
+    assert resolve_expert_layout(_kernel_cfg(), "interpret") == "kernel"
+    assert resolve_expert_layout(_kernel_cfg(), "xla") == "checkpoint"
+    with pytest.raises(ValueError, match="kernel expert layout"):
+        KimiTarget(TINY, random_kimi_params(TINY), expert_layout="kernel")
+    with pytest.raises(ValueError, match="unknown expert layout"):
+        resolve_expert_layout(TINY, "xla", want="planar")

@@ -223,3 +223,27 @@ def test_two_processes_share_one_mesh():
     """jax.distributed on 2 CPU processes x 4 devices: each loads only its shards; logits equal one process's."""
     from sharding.multihost import check
     assert check("ep8", nproc=2, local_devices=4, timeout=240) < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["tp2ep4", "ep8"])
+def test_kernel_expert_layout_on_a_mesh(layout):
+    """Experts converted to the Pallas MoE's layout on the mesh: the transposed scales get their own specs
+    (F over "tensor" on their last axis) and the model computes what the checkpoint layout computes."""
+    from kimijax.target import resolve_expert_layout
+
+    cfg = dataclasses.replace(tiny8_config("float32"), hidden_size=128, num_hidden_layers=2)
+    single = KimiTarget(cfg, random_kimi_params(cfg, seed=5))
+    tokens = np.random.default_rng(1).integers(3, cfg.vocab_size - 1, size=(2, 8))
+    mesh = make_mesh(layout)
+    t = dataclasses.replace(single.on_mesh(mesh, layout), expert_layout="kernel")
+    mlp = t.params["layers_1"]["mlp"]
+    assert "gate_planar" in mlp and "gate_packed" not in mlp
+    tp = parse_layout(layout).sizes(8)["tensor"]
+    want = P("expert", None, "tensor") if tp > 1 else P("expert")
+    assert mlp["gate_scale_t"].sharding.spec == want
+    np.testing.assert_allclose(np.asarray(t.forward(tokens)), np.asarray(single.forward(tokens)),
+                               atol=2e-4, rtol=1e-4)
+    # back through on_mesh (via the checkpoint layout) onto a mesh whose F shards are too small for it
+    assert resolve_expert_layout(cfg, "interpret", make_mesh("tp4ep2")) == "checkpoint"  # 256 / 4 = 64 rows
+    t4 = t.on_mesh(make_mesh("tp4ep2"), "tp4ep2")
+    assert t4.expert_layout == "checkpoint" and "gate_packed" in t4.params["layers_1"]["mlp"]

@@ -27,6 +27,7 @@ class DecoderLayer(nn.Module):
     attn_impl: str = "xla"
     moe_impl: str = "xla"
     expert_fn: Any = None
+    expert_layout: str = "checkpoint"
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, absorbed):
@@ -37,7 +38,7 @@ class DecoderLayer(nn.Module):
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
         if self.moe:
-            f = MoE(c, self.dtype, self.moe_impl, self.expert_fn, name="mlp")(h)
+            f = MoE(c, self.dtype, self.moe_impl, self.expert_fn, self.expert_layout, name="mlp")(h)
         else:
             with jax.named_scope("dense_mlp"):
                 f = MLP(c.hidden_size, c.intermediate_size, self.dtype, name="mlp")(h)
@@ -49,6 +50,7 @@ class Kimi(nn.Module):
     attn_impl: str = "xla"
     moe_impl: str = "xla"
     expert_fn: Any = None  # routed-expert override, e.g. expert-parallel dispatch from sharding/moe_ep.py
+    expert_layout: str = "checkpoint"  # INT4 routed experts: "checkpoint" or "kernel" (see models/moe.py)
 
     @property
     def dtype(self):
@@ -59,7 +61,7 @@ class Kimi(nn.Module):
         self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                                   self.dtype, init="normal")
         self.layers = [DecoderLayer(c, c.is_moe_layer(i), self.dtype, self.attn_impl, self.moe_impl,
-                                    self.expert_fn, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+                                    self.expert_fn, self.expert_layout, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
         self.lm_head = param(self, "lm_head", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
 
