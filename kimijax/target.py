@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from kimijax.config import KimiConfig
-from kimijax.models.common import causal_tree_mask
 from kimijax.models.kimi import Kimi
 
 
@@ -138,7 +137,7 @@ class KimiTarget:
         B, T = tokens_BT.shape
         pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         h, caches, cap = self._apply(params, tokens_BT, pos_BT, caches, jnp.zeros((B,), jnp.int32),
-                                     causal_tree_mask(B, T), absorbed=False, capture_layers=tuple(capture))
+                                     None, absorbed=False, capture_layers=tuple(capture))  # None: causal
         h_last = gather_rows(h, lens_B - 1)[:, None]
         return self.head(params, h_last)[:, 0], caches, cap
 
