@@ -21,7 +21,7 @@ import numpy as np
 from kimijax.sampling import check_sampling_params, sample_tokens
 
 MAX_STOP_IDS = 8
-_PROGRAMS: dict = {}  # (target, drafter, settings) -> jitted programs + compiled chunk programs
+_PROGRAMS_ATTR = "_kimijax_engine_programs"  # on a target: (drafter id, settings) -> (drafter, jitted programs, compiled)
 
 
 class EngineError(ValueError):
@@ -93,12 +93,14 @@ class Engine:
             from kimijax.spec.round import SpecRound
             self.round = SpecRound(target, drafter, method, budget, topk_cap, draft_window)
         # Programs are shared by engines with the same target, drafter and settings, so a new Engine
-        # (or a new generate call) reuses what is already compiled.
-        key = (id(target), id(drafter), method, budget, topk_cap, draft_window)
-        if key not in _PROGRAMS:
-            _PROGRAMS[key] = (target, drafter, jax.jit(self._prefill_fn, donate_argnums=(1,)),
-                              jax.jit(self._chunk_fn, static_argnums=(3,), donate_argnums=(1,)), {})
-        _, _, self._prefill, self._chunk, self._compiled = _PROGRAMS[key]
+        # (or a new generate call) reuses what is already compiled. They live on the target (not in a module
+        # global), so dropping the target frees its weights and programs together.
+        programs = target.__dict__.setdefault(_PROGRAMS_ATTR, {})
+        key = (id(drafter), method, budget, topk_cap, draft_window)
+        if key not in programs or programs[key][0] is not drafter:
+            programs[key] = (drafter, jax.jit(self._prefill_fn, donate_argnums=(1,)),
+                             jax.jit(self._chunk_fn, static_argnums=(3,), donate_argnums=(1,)), {})
+        _, self._prefill, self._chunk, self._compiled = programs[key]
         self.last_stats: dict[str, Any] = {}
         self.last_compile_s = 0.0
 

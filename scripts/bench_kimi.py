@@ -248,7 +248,7 @@ def build_slice(args) -> Slice:
                 drafter_bytes=nbytes(dp), drafter_fc_bytes=fc,
                 drafter_layer_bytes=nbytes(dp["layers_0"]) if "layers_0" in dp else 0,
                 drafter_layers=dcfg.num_hidden_layers, block_size=dcfg.block_size,
-                drafter_kv_row=2 * 2 * dcfg.num_key_value_heads * dcfg.head_dim,
+                drafter_kv_row=2 * 2 * dcfg.num_key_value_heads * dcfg.head_dim, draft_window=args.draft_window,
                 init_s=t_init, drafter_init_s=t_dinit,
                 cfg={k: v for k, v in dataclasses.asdict(cfg).items() if not isinstance(v, dict)},
                 dcfg={k: v for k, v in dataclasses.asdict(dcfg).items() if not isinstance(v, dict)})
@@ -269,13 +269,22 @@ def device_memory():
     return st.get("bytes_limit"), st.get("bytes_in_use")
 
 
+def drafter_slots(info: dict, S: int, read: bool = False) -> int:
+    """Drafter context rows per request: held in its cache (a ring of window + block slots with a draft window,
+    spec/round.py) or, read=True, read by one draft pass (the window)."""
+    W = info.get("draft_window")
+    if W is None:
+        return S
+    return min(S, W if read else W + info["block_size"])
+
+
 def case_memory(sl: Slice, method: str, B: int, ctx: int, engine: bool) -> dict:
     """Bytes a case needs beyond the weights already resident: caches and the largest temporaries."""
     cfg, info = sl.cfg, sl.info
     T = method_budget(method) + 1
     L = ctx
     kv = B * L * kimi_bytes(cfg)["kv_row"] * (info["layers"] if engine else 1)
-    dc = 0 if method == "ar" or not engine else B * L * info["drafter_kv_row"] * info["drafter_layers"]
+    dc = 0 if method == "ar" or not engine else B * drafter_slots(info, L) * info["drafter_kv_row"] * info["drafter_layers"]
     logits = 4 * B * max(T, info["block_size"]) * cfg.vocab_size * 3
     attn_tmp = 4 * B * cfg.num_attention_heads * T * L * 3 if info["attn_impl"] == "xla" else 0
     # the drafter cache is counted twice: Engine.start's (eager) context append copies it once
@@ -769,7 +778,8 @@ class Components:
         def build():
             dr, tgt = self.sl.drafter, self.sl.target
             f = jax.jit(lambda dp, tp, dc, s, b: dr.draft_logits(dp, tgt, tp, dc, s, b, self.args.draft_window))
-            dc = [self._rand(x.shape, x.dtype) for x in jax.eval_shape(lambda: dr.init_cache(B, L))]
+            Lc = drafter_slots(self.sl.info, L)  # a ring of window + block slots with --draft-window
+            dc = [self._rand(x.shape, x.dtype) for x in jax.eval_shape(lambda: dr.init_cache(B, Lc))]
             s = jnp.full((B,), S, jnp.int32)
             b = jnp.ones((B,), jnp.int32)
             return loop_ms(lambda _: f(dr.params, tgt.params, dc, s, b), None)
@@ -819,7 +829,7 @@ def run_component_case(comp: Components, method: str, B: int, ctx: int, args) ->
     rec["head_ms"] = comp.head(N)
     rec["accept_ms"] = comp.accept(B, T)
     if b:
-        dc = B * ctx * comp.sl.info["drafter_kv_row"] * comp.sl.info["drafter_layers"]
+        dc = B * drafter_slots(comp.sl.info, ctx) * comp.sl.info["drafter_kv_row"] * comp.sl.info["drafter_layers"]
         ok, why = fits(dc + 4 * B * block * comp.cfg.vocab_size * 2)
         if ok:
             rec["drafter_ms"] = comp.drafter(B, S, ctx)
@@ -1031,7 +1041,7 @@ def round_floor(info: dict, roof: float, B: int, S: int, method: str, distinct: 
     b = kb["head"] + layer_floor(info, roof, B, S, None, dense=True)["total"] * (info["layers"] - n_moe)
     b += n_moe * layer_floor(info, roof, B, S, distinct)["total"]
     if method != "ar":
-        b += info["drafter_bytes"] + kb["head"] + B * S * info["drafter_kv_row"] * info["drafter_layers"]
+        b += info["drafter_bytes"] + kb["head"] + B * drafter_slots(info, S, read=True) * info["drafter_kv_row"] * info["drafter_layers"]
     return b / roof * 1e3
 
 
@@ -1112,7 +1122,7 @@ def device_shares(cfg: dict, layout: str, B: int, S: int, distinct: float, ndev:
     kv = B * S * kb["kv_row"]
     E = cfg["n_routed_experts"]
     dr_block = info["drafter_bytes"] - info["drafter_fc_bytes"]
-    dr_cache = B * S * info["drafter_kv_row"] * info["drafter_layers"]
+    dr_cache = B * drafter_slots(info, S, read=True) * info["drafter_kv_row"] * info["drafter_layers"]
     if layout == "tp8":
         attn = (kb["attn"] - kb["attn_heads"] + kb["attn_heads"] / ndev + kv) / (kb["attn"] + kv)
         drafter = (dr_block / ndev + dr_cache / ndev + kb["head"] / ndev) / (dr_block + dr_cache + kb["head"])

@@ -163,12 +163,10 @@ def run_layout(layout: str, args, devices) -> dict:
 
 
 def _release(target):
-    """Drop the engine's cached programs for this target (they keep its params alive) before the next layout."""
-    from kimijax import engine as engine_mod
-    programs = getattr(engine_mod, "_PROGRAMS", None)
-    if isinstance(programs, dict):
-        for k in [k for k, v in programs.items() if v and v[0] is target]:
-            del programs[k]
+    """Drop the engine's cached programs for this target before the next layout (they reference the target in a
+    cycle, which the garbage collector would free later; this frees the compiled programs now)."""
+    from kimijax.engine import _PROGRAMS_ATTR
+    target.__dict__.pop(_PROGRAMS_ATTR, None)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -7,7 +7,8 @@ import pytest
 
 import kimijax
 from kimijax import Engine, EngineError
-from kimijax.target import KimiTarget
+from kimijax.config import TINY
+from kimijax.target import KimiTarget, random_kimi_params
 
 
 def _prompts(V, lens, seed=0):
@@ -94,3 +95,20 @@ def test_engine_config_errors(tiny_f32):
         Engine(tiny_f32, method="beam")
     with pytest.raises(EngineError, match="needs a drafter"):
         Engine(tiny_f32, method="ddtree")
+
+
+def test_engines_share_programs_and_do_not_keep_targets_alive():
+    """Engines with the same target and settings reuse one set of compiled programs, stored on the target: a
+    dropped target (and its weights) can be freed although engines were built for it."""
+    import gc
+    import weakref
+
+    cfg = dataclasses.replace(TINY, dtype="float32", num_hidden_layers=1)
+    t = KimiTarget(cfg, random_kimi_params(cfg, seed=9))
+    e = Engine(t)
+    e.generate([[5, 6, 7]], max_new_tokens=2, stop_ids=[])
+    assert Engine(t)._chunk is e._chunk
+    ref = weakref.ref(t)
+    del t, e
+    gc.collect()
+    assert ref() is None

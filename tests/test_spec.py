@@ -169,3 +169,31 @@ def test_sampling_is_lossless(temperature, top_p):
     assert p > 0.01, (chi2, len(obs_k), p)
     # trees were actually accepted (not just bonus samples)
     assert np.mean([r.acceptance_lengths[0] for r in res]) > 1.2
+
+
+def test_draft_window_ring_cache_equals_full_cache(setup, monkeypatch):
+    """With a draft window W the drafter's context cache is a ring of W + block slots: prompts longer than the
+    ring and rounds that wrap it draft exactly what a whole-context cache read through the same window drafts."""
+    from kimijax.spec.round import SpecRound
+
+    target, d, _ = setup
+    W, L = 5, 64
+    r = SpecRound(target, d, "ddtree", 4, None, W)
+    assert r.drafter_cache_len(L) == W + r.max_commit < 12
+    rng = np.random.default_rng(4)
+    feats = lambda T: jnp.asarray(rng.normal(size=(len(d.cfg.target_layer_ids), 2, T, target.hidden_size)),
+                                  jnp.float32)
+    cap, lens = feats(12), jnp.array([12, 7], jnp.int32)
+    ring = r.init_state(d.params, cap, lens, L)["dcache"]
+    monkeypatch.setattr(SpecRound, "drafter_cache_len", lambda self, L: L)
+    full = r.init_state(d.params, cap, lens, L)["dcache"]
+    assert ring[0].shape[1] == W + r.max_commit and full[0].shape[1] == L
+    S = lens
+    draft = jax.jit(lambda dc, s, b: d.draft_logits(d.params, target, target.params, dc, s, b, window=W))
+    for step in range(6):
+        bonus = jnp.asarray(rng.integers(3, 500, size=2), jnp.int32)
+        np.testing.assert_array_equal(np.asarray(draft(ring, S, bonus)), np.asarray(draft(full, S, bonus)))
+        rows = feats(r.max_commit)  # one round appends block rows at S; only n of them become committed
+        ring = d.extend_context(d.params, ring, rows, S)
+        full = d.extend_context(d.params, full, rows, S)
+        S = S + jnp.asarray(rng.integers(1, r.max_commit + 1, size=2), jnp.int32)

@@ -465,13 +465,6 @@ class DFlash(nn.Module):
 
 
 # ---------------------------------------------------------------- the drafter object
-def write_rows(cache_BL, rows_BT, start_B):
-    """Write T rows per request at slots start_b .. start_b+T-1 (any trailing dims; capacity checked by the caller:
-    dynamic_update_slice clamps a start that would overflow, which would overwrite committed slots)."""
-    return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0))(
-        cache_BL, rows_BT, start_B)
-
-
 def check_compatible(cfg: DrafterConfig, target) -> None:
     """Raise DrafterError when the drafter cannot run on this target."""
     if cfg.hidden_size != target.hidden_size:
@@ -517,7 +510,9 @@ class Drafter:
         return self.cfg.mask_token_id
 
     def init_cache(self, B: int, Lc: int):
-        """Per-layer context K/V: list of zeros [B, Lc, 2, Hkv, hd] (slot = absolute position)."""
+        """Per-layer context K/V: list of zeros [B, Lc, 2, Hkv, hd]. Position p lives in slot p mod Lc: with
+        Lc >= the context that is slot p; with a draft window W the engine sizes Lc = W + block and the cache
+        is a ring (the window and one round's appended rows never share a slot)."""
         c = self.cfg
         return [jnp.zeros((B, Lc, 2, c.num_key_value_heads, c.head_dim), self.dtype)
                 for _ in range(c.num_hidden_layers)]
@@ -534,8 +529,13 @@ class Drafter:
                                  method=DFlash.context_kv)
 
     def append_context(self, dcache, kv_rows, start_B):
-        """Write each layer's T rows at slots start_b .. start_b+T-1."""
-        return [write_rows(c, r, start_B) for c, r in zip(dcache, kv_rows)]
+        """Write each layer's T rows for positions start_b .. start_b+T-1 (slots mod Lc; T <= Lc)."""
+        Lc, T = dcache[0].shape[1], kv_rows[0].shape[1]
+        if T > Lc:
+            raise DrafterError(f"{T} context rows do not fit a {Lc}-slot drafter cache")
+        slot_BT = (start_B.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)[None]) % Lc
+        b_B1 = jnp.arange(slot_BT.shape[0])[:, None]
+        return [c.at[b_B1, slot_BT].set(r.astype(c.dtype)) for c, r in zip(dcache, kv_rows)]
 
     def extend_context(self, dparams, dcache, feats_nBTD, start_B):
         """context_kv at positions start_b.. then append_context."""
@@ -547,15 +547,15 @@ class Drafter:
         """The context slots one draft pass reads: (per-layer K/V, slot positions [B, L'], visible [B, L'])."""
         B, Lc = dcache[0].shape[:2]
         S = ctx_len_B.astype(jnp.int32)
-        if window is None or window >= Lc:
+        if window is None or window >= Lc:  # the whole cache, slot = position (no ring without a window)
             pos_BL = jnp.broadcast_to(jnp.arange(Lc, dtype=jnp.int32), (B, Lc))
             kv = dcache
-        else:  # read only the window's slots (static size), starting at max(S - W, 0)
-            start_B = jnp.clip(S - window, 0, Lc - window)
-            kv = [jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, window, axis=0))(c, start_B)
+        else:  # read only the window's positions S-W .. S-1 (static size; slots mod Lc)
+            pos_BL = S[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None]
+            slot_BL = pos_BL % Lc
+            kv = [jnp.take_along_axis(c, slot_BL.reshape(slot_BL.shape + (1,) * (c.ndim - 2)), axis=1)
                   for c in dcache]
-            pos_BL = start_B[:, None] + jnp.arange(window, dtype=jnp.int32)[None]
-        valid_BL = pos_BL < S[:, None]
+        valid_BL = (pos_BL < S[:, None]) & (pos_BL >= 0)
         if window is not None:
             valid_BL &= pos_BL >= S[:, None] - window
         return kv, pos_BL, valid_BL
@@ -787,4 +787,4 @@ def save_drafter(drafter: Drafter, path: str | os.PathLike, dtype: str = "bfloat
 
 
 __all__ = ["DrafterConfig", "DrafterError", "DFlash", "Drafter", "KIMI_K25_DFLASH", "default_target_layer_ids",
-           "check_compatible", "random_drafter", "load_drafter", "save_drafter", "drafter_tensors", "write_rows"]
+           "check_compatible", "random_drafter", "load_drafter", "save_drafter", "drafter_tensors"]

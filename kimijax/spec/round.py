@@ -37,12 +37,26 @@ class SpecRound:
     def max_commit(self) -> int:  # accepted draft tokens + the new bonus
         return self.depth + 1
 
+    def drafter_cache_len(self, L: int) -> int:
+        """Drafter context slots: the whole context, or with a draft window W a ring of W + one round's rows."""
+        return L if self.window is None else min(L, self.window + self.max_commit)
+
     def init_state(self, dparams, cap_nBTD, lens_B, L: int):
         B, T = cap_nBTD.shape[1:3]
-        dcache = self.drafter.init_cache(B, L)
-        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        rows = self.drafter.context_kv(dparams, cap_nBTD, pos_BT)
-        dcache = self.drafter.append_context(dcache, rows, jnp.zeros((B,), jnp.int32))
+        Lc = self.drafter_cache_len(L)
+        dcache = self.drafter.init_cache(B, Lc)
+        if T <= Lc:
+            pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            rows = self.drafter.context_kv(dparams, cap_nBTD, pos_BT)
+            dcache = self.drafter.append_context(dcache, rows, jnp.zeros((B,), jnp.int32))
+        else:  # a prompt longer than the ring: slot j gets the last prompt position p < len with p = j mod Lc
+            j_L = jnp.arange(Lc, dtype=jnp.int32)
+            last_B1 = lens_B.astype(jnp.int32)[:, None] - 1
+            pos_BL = last_B1 - jnp.remainder(last_B1 - j_L[None], Lc)  # < 0: never read (before position 0)
+            pos_BL = jnp.clip(pos_BL, 0, T - 1)
+            feats = jnp.take_along_axis(cap_nBTD, pos_BL[None, :, :, None], axis=2)
+            rows = self.drafter.context_kv(dparams, feats, pos_BL)
+            dcache = [r.astype(c.dtype) for c, r in zip(dcache, rows)]  # already in slot order
         extra = {"dcache": dcache}
         if self.moe_layers:
             extra["experts"] = jnp.zeros((B, len(self.moe_layers)), jnp.float32)
