@@ -399,3 +399,20 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="dtype"):
         LlamaConfig(dtype="int8")
     assert Llama  # the module is importable on its own
+
+
+def test_tiny_prefill_in_query_chunks_equals_one_pass(tiny, monkeypatch):
+    """Long prompts walk the GQA queries in chunks (bounded scores): same logits, caches and captures as one pass,
+    also when the chunk does not divide the prompt."""
+    import kimijax.models.common as common
+
+    rng = np.random.default_rng(5)
+    toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (2, 23)), jnp.int32)
+    lens = jnp.asarray([23, 11], jnp.int32)
+    l0, c0, k0 = tiny.prefill(tiny.params, tiny.init_cache(2, 32), toks, lens, capture=(1,))
+    monkeypatch.setattr(common, "SCORE_ELEMS", 2 * tiny.cfg.num_attention_heads * 23 * 4)  # 4-query chunks
+    l1, c1, k1 = tiny.prefill(tiny.params, tiny.init_cache(2, 32), toks, lens, capture=(1,))
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(k1), np.asarray(k0), atol=2e-5, rtol=1e-5)
+    for a, b in zip(c0, c1):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)

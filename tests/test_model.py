@@ -131,14 +131,14 @@ def test_bf16_model_close_to_f32():
 def test_prefill_in_query_chunks_equals_one_pass(tiny_f32, monkeypatch):
     """Long prompts walk the naive-MLA queries in chunks (bounded [B, H, chunk, T] scores): same logits and
     cache rows as one pass, also when the chunk does not divide the prompt."""
-    import kimijax.models.mla as mla
+    import kimijax.models.common as common
 
     t = tiny_f32
     toks = jnp.asarray(np.random.default_rng(2).integers(3, t.cfg.vocab_size - 1, size=(2, 37)))
     lens = jnp.array([37, 20], jnp.int32)
     full = np.asarray(t.forward(toks))
     l0, c0, _ = t.prefill(t.params, t.init_cache(2, 48), toks, lens)
-    monkeypatch.setattr(mla, "PREFILL_SCORE_ELEMS", 2 * t.cfg.num_attention_heads * 37 * 5)  # 5-query chunks
+    monkeypatch.setattr(common, "SCORE_ELEMS", 2 * t.cfg.num_attention_heads * 37 * 5)  # 5-query chunks
     chunked = KimiTarget(t.cfg, t.params)
     np.testing.assert_allclose(np.asarray(chunked.forward(toks)), full, atol=2e-5, rtol=1e-5)
     l1, c1, _ = chunked.prefill(chunked.params, chunked.init_cache(2, 48), toks, lens)

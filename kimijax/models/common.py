@@ -53,6 +53,36 @@ class RMSNorm(nn.Module):
         return rms_norm(x, w, self.eps)
 
 
+# f32 attention-score elements per query chunk (1 GiB): a long prompt's [B, H, T, T] scores would not fit (Kimi,
+# B=8 x 4k tokens x 64 heads: 34 GB), so prefill walks the queries in chunks of at most this many scores.
+SCORE_ELEMS = 1 << 28
+
+
+def causal_rows(t0, C: int, S: int, B: int):
+    """bool [B, C, S]: query t0 + i of this pass sees keys 0 .. t0 + i (built per chunk, never [T, T])."""
+    return jnp.broadcast_to((t0 + jnp.arange(C))[:, None] >= jnp.arange(S)[None, :], (B, C, S))
+
+
+def in_query_chunks(one, qs, mask_BTS, scores_per_query: int):
+    """one(*q_chunks, t0, mask_chunk) over chunks of the T queries (axis 1 of each array in qs and of mask_BTS,
+    which may be None), sized so a chunk's scores stay within SCORE_ELEMS; outputs [B, chunk, ...] are joined on
+    axis 1. A single chunk is one plain call. Padded query rows repeat the last row and are dropped."""
+    B, T = qs[0].shape[:2]
+    chunk = max(1, min(T, SCORE_ELEMS // max(1, scores_per_query)))
+    n = -(-T // chunk)
+    if n == 1:
+        return one(*qs, 0, mask_BTS)
+    pad = n * chunk - T
+
+    def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge")
+        return jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)
+
+    xs = (tuple(split(q) for q in qs), jnp.arange(n) * chunk, None if mask_BTS is None else split(mask_BTS))
+    o = jax.lax.map(lambda a: one(*a[0], a[1], a[2]), xs)
+    return jnp.moveaxis(o, 0, 1).reshape(B, n * chunk, *o.shape[3:])[:, :T]
+
+
 def swiglu(x_BTD, w_gate_FD, w_up_FD, w_down_DF, precision=None):
     g = jnp.einsum("btd,fd->btf", x_BTD, w_gate_FD, precision=precision)
     u = jnp.einsum("btd,fd->btf", x_BTD, w_up_FD, precision=precision)

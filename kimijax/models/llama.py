@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimijax.config import ConfigError
-from kimijax.models.common import MLP, RMSNorm, apply_rope_half, causal_tree_mask, param, rope_cos_sin
+from kimijax.models.common import (MLP, RMSNorm, apply_rope_half, causal_rows, causal_tree_mask, in_query_chunks,
+                                   param, rope_cos_sin)
 from kimijax.target import gather_rows
 from pallas_kernels.tree_attention import visibility_mask
 
@@ -99,16 +100,24 @@ def matmul_precision(dtype):
 
 
 def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float, precision=None):
-    """Grouped-query attention: query head h reads kv head h // g (HF repeat_kv order). -> [B, T, H, e]."""
+    """Grouped-query attention: query head h reads kv head h // g (HF repeat_kv order). -> [B, T, H, e].
+    mask_BTS None = causal over this pass's keys. Long prompts go in query chunks (bounded scores)."""
     B, T, H, E = q_BTHe.shape
-    KV = k_BSke.shape[2]
-    q_BTkge = q_BTHe.reshape(B, T, KV, H // KV, E)
-    s = jnp.einsum("btkge,bske->bkgts", q_BTkge, k_BSke, preferred_element_type=jnp.float32,
-                   precision=precision) * scale
-    s = jnp.where(mask_BTS[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1).astype(v_BSke.dtype)
-    o = jnp.einsum("bkgts,bske->btkge", p, v_BSke, preferred_element_type=jnp.float32, precision=precision)
-    return o.astype(q_BTHe.dtype).reshape(B, T, H, E)
+    S, KV = k_BSke.shape[1], k_BSke.shape[2]
+
+    def one(q_BCHe, t0, mask_BCS):
+        C = q_BCHe.shape[1]
+        if mask_BCS is None:
+            mask_BCS = causal_rows(t0, C, S, B)
+        q_BCkge = q_BCHe.reshape(B, C, KV, H // KV, E)
+        s = jnp.einsum("btkge,bske->bkgts", q_BCkge, k_BSke, preferred_element_type=jnp.float32,
+                       precision=precision) * scale
+        s = jnp.where(mask_BCS[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(v_BSke.dtype)
+        o = jnp.einsum("bkgts,bske->btkge", p, v_BSke, preferred_element_type=jnp.float32, precision=precision)
+        return o.astype(q_BTHe.dtype).reshape(B, C, H, E)
+
+    return in_query_chunks(one, (q_BTHe,), mask_BTS, B * H * S)
 
 
 class LlamaAttention(nn.Module):
@@ -133,12 +142,12 @@ class LlamaAttention(nn.Module):
             k = apply_rope_half(jnp.einsum("btd,ked->btke", x_BTD, w_k, precision=pr), cos[:, :, None],
                                 sin[:, :, None])
             v = jnp.einsum("btd,ked->btke", x_BTD, w_v, precision=pr)
-        if tree_mask_BTT is None:
-            tree_mask_BTT = causal_tree_mask(B, T)
         if cache is not None:
             cache = write_kv(cache, jnp.stack([k, v], axis=2), lengths_B)
         with jax.named_scope("attn"):
             if from_cache:  # the committed prefix plus this pass's rows, as written above
+                if tree_mask_BTT is None:
+                    tree_mask_BTT = causal_tree_mask(B, T)
                 mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
                 o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5, pr)
             else:  # this pass's own tokens only (full forward, prefill from an empty cache)
@@ -273,7 +282,7 @@ class LlamaTarget:
         B, T = tokens_BT.shape
         pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         h, caches, cap = self._apply(params, tokens_BT, pos_BT, caches, jnp.zeros((B,), jnp.int32),
-                                     causal_tree_mask(B, T), from_cache=False, capture_layers=tuple(capture))
+                                     None, from_cache=False, capture_layers=tuple(capture))  # None: causal
         h_last = gather_rows(h, lens_B - 1)[:, None]
         return self.head(params, h_last)[:, 0], caches, cap
 

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from kimijax.config import KimiConfig
-from kimijax.models.common import apply_rope_interleaved, param, rms_norm, rope_cos_sin, yarn_inv_freq
+from kimijax.models.common import (apply_rope_interleaved, causal_rows, in_query_chunks, param, rms_norm,
+                                   rope_cos_sin, yarn_inv_freq)
 from pallas_kernels.tree_attention import tree_attention
 
 
@@ -26,45 +27,23 @@ def write_cache(cache_BLC, rows_BTC, start_B):
         cache_BLC, rows_BTC, start_B)
 
 
-# f32 score elements per query chunk of the naive path (1 GiB): a long prompt's [B, H, T, T] scores would not
-# fit (B=8 x 4k tokens x 64 heads: 34 GB), so prefill walks the queries in chunks of at most this many scores.
-PREFILL_SCORE_ELEMS = 1 << 28
-
-
 def naive_attention(q_nope_BTHN, q_pe_BTHR, k_nope_BSHN, k_pe_BSR, v_BSHV, mask_BTS, scale: float, dt):
     """Softmax attention of T queries over this pass's S = T keys; mask_BTS None = causal. Queries go in chunks
-    (lax.map) so the scores never exceed PREFILL_SCORE_ELEMS; one chunk when they fit (the plain form)."""
-    B, T, H, _ = q_nope_BTHN.shape
+    (common.in_query_chunks) so the [B, H, chunk, S] scores stay bounded."""
+    B, _, H, _ = q_nope_BTHN.shape
     S = k_nope_BSHN.shape[1]
-    chunk = max(1, min(T, PREFILL_SCORE_ELEMS // max(1, B * H * S)))
-    n = -(-T // chunk)
 
     def one(q_nope_BCHN, q_pe_BCHR, t0, mask_BCS):
         s_BHCS = (jnp.einsum("bthn,bshn->bhts", q_nope_BCHN, k_nope_BSHN, preferred_element_type=jnp.float32)
                   + jnp.einsum("bthr,bsr->bhts", q_pe_BCHR, k_pe_BSR, preferred_element_type=jnp.float32))
         s_BHCS = s_BHCS * scale
-        if mask_BCS is None:  # causal: query t0 + i sees keys 0 .. t0 + i
-            C = q_nope_BCHN.shape[1]
-            mask_BCS = (t0 + jnp.arange(C))[:, None] >= jnp.arange(S)[None, :]
-            mask_BCS = jnp.broadcast_to(mask_BCS, (B, C, S))
+        if mask_BCS is None:
+            mask_BCS = causal_rows(t0, q_nope_BCHN.shape[1], S, B)
         s_BHCS = jnp.where(mask_BCS[:, None], s_BHCS, -jnp.inf)
         p_BHCS = jax.nn.softmax(s_BHCS, axis=-1).astype(dt)
         return jnp.einsum("bhts,bshv->bthv", p_BHCS, v_BSHV)
 
-    if n == 1:
-        return one(q_nope_BTHN, q_pe_BTHR, 0, mask_BTS)
-    pad = n * chunk - T  # padded query rows attend like the last real row and are dropped
-
-    def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge")
-        return jnp.moveaxis(x.reshape(B, n, chunk, *x.shape[2:]), 1, 0)
-
-    xs = (split(q_nope_BTHN), split(q_pe_BTHR), jnp.arange(n) * chunk)
-    if mask_BTS is None:
-        o = jax.lax.map(lambda a: one(a[0], a[1], a[2], None), xs)
-    else:
-        o = jax.lax.map(lambda a: one(a[0], a[1], a[2], a[3]), xs + (split(mask_BTS),))
-    return jnp.moveaxis(o, 0, 1).reshape(B, n * chunk, *o.shape[3:])[:, :T]
+    return in_query_chunks(one, (q_nope_BTHN, q_pe_BTHR), mask_BTS, B * H * S)
 
 
 class MLA(nn.Module):
