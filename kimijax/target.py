@@ -171,8 +171,9 @@ def expert_ids(state, cfg: KimiConfig):
     return jnp.stack(ids) if ids else jnp.zeros((0,), jnp.int32)
 
 
-EXPERT_KEYS = {"checkpoint": ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"),
-               "kernel": ("gate_planar", "gate_scale_t", "up_planar", "up_scale_t", "down_planar", "down_scale_t")}
+from pallas_kernels.moe_int4 import _CKPT_KEYS, _PLANAR_KEYS  # noqa: E402 (the expert dict keys of each layout)
+
+EXPERT_KEYS = {"checkpoint": _CKPT_KEYS, "kernel": _PLANAR_KEYS}
 
 
 def resolve_expert_layout(cfg: KimiConfig, moe_impl: str, mesh=None, want: str = "auto") -> str:

@@ -106,37 +106,25 @@ def _from_planar(planar):
     return _pack_nibbles(n)
 
 
+_CKPT_KEYS = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
+
+
+def _relayout(experts: dict, src: tuple, dst: tuple, words_fn) -> dict:
+    """Words through `words_fn` one expert at a time (lax.map: the temporary is one expert's nibbles, not the
+    layer's), scales transposed [E, a, b] -> [E, b, a]; keys renamed src -> dst (both in _PLANAR_KEYS order)."""
+    return {d: lax.map(words_fn, experts[k]) if i % 2 == 0 else jnp.swapaxes(experts[k], 1, 2)
+            for i, (k, d) in enumerate(zip(src, dst))}
+
+
 def relayout_for_kernel(experts: dict) -> dict:
     """One-time load-time re-layout of an INT4 expert dict into the kernel layout (module docstring).
-
-    bf16 dicts and dicts already in the kernel layout are returned unchanged.  Done per expert (lax.map) so
-    the temporary is one expert's nibbles, not the layer's."""
-    if "gate_packed" not in experts:
-        return experts
-    to_planar = lambda a: lax.map(_to_planar, a)
-    return {
-        "gate_planar": to_planar(experts["gate_packed"]),
-        "gate_scale_t": jnp.swapaxes(experts["gate_scale"], 1, 2),
-        "up_planar": to_planar(experts["up_packed"]),
-        "up_scale_t": jnp.swapaxes(experts["up_scale"], 1, 2),
-        "down_planar": to_planar(experts["down_packed"]),
-        "down_scale_t": jnp.swapaxes(experts["down_scale"], 1, 2),
-    }
+    bf16 dicts and dicts already in the kernel layout are returned unchanged."""
+    return _relayout(experts, _CKPT_KEYS, _PLANAR_KEYS, _to_planar) if "gate_packed" in experts else experts
 
 
 def relayout_to_checkpoint(experts: dict) -> dict:
     """Inverse of `relayout_for_kernel` (for savers): kernel layout -> checkpoint layout, bit for bit."""
-    if "gate_planar" not in experts:
-        return experts
-    from_planar = lambda a: lax.map(_from_planar, a)
-    return {
-        "gate_packed": from_planar(experts["gate_planar"]),
-        "gate_scale": jnp.swapaxes(experts["gate_scale_t"], 1, 2),
-        "up_packed": from_planar(experts["up_planar"]),
-        "up_scale": jnp.swapaxes(experts["up_scale_t"], 1, 2),
-        "down_packed": from_planar(experts["down_planar"]),
-        "down_scale": jnp.swapaxes(experts["down_scale_t"], 1, 2),
-    }
+    return _relayout(experts, _PLANAR_KEYS, _CKPT_KEYS, _from_planar) if "gate_planar" in experts else experts
 
 
 def kernel_layout_ok(D: int, F: int, tp: int = 1) -> bool:
