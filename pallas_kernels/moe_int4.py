@@ -5,20 +5,27 @@ Expert weights of one layer (stacked on E; see kimijax/quant.py for the INT4 bit
         down_packed int32 [E, D, F/8], down_scale bf16 [E, D, F/32]
   bf16: gate/up [E, F, D], down [E, D, F]
   INT4, kernel layout (made once at load time by `relayout_for_kernel`):
-        gate_planar/up_planar int32 [E, F, D/8], gate_scale_t/up_scale_t bf16 [E, D/32, F],
-        down_planar int32 [E, D, F/8], down_scale_t bf16 [E, F/32, D]
+        gate_planar/up_planar int32 [E, F*D/128, 16], gate_scale_t/up_scale_t int32 [E, D/64, F],
+        down_planar int32 [E, D*F/128, 16], down_scale_t int32 [E, F/64, D]
 y[t] = sum_k w[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]),  e = ids[t, k].
 
 Kernel layout ("planar"): the inputs of each row are cut into superblocks of 128 (= 4 scale groups of 32)
 held in 16 int32 words; nibble 4*b + i (bits 4(4b+i) .. +3, still stored as q + 8) of word m of superblock s
 is input 128*s + 32*i + 2*m + b.  So one 32-bit shift + and/or turns nibbles i and i+4 of a word into the
 bf16 pair (128 + v of inputs 2m, 2m+1 of plane i), already packed as the tensor cores want it; a bf16x2 fma
-subtracts 136 (exact).  Plane i of a superblock is scale group 4*s + i, so the kernel multiplies a
-[rows, 32] plane by the matching 32 activations and applies the group's scale to the f32 result.  The
-scales are transposed ([E, in/32, out]) so a plane's scales for a tile of rows are one contiguous load.
-Shapes and byte counts are unchanged.  Both the reference and the kernel accept either layout; handing the
+subtracts 136 (exact).  Plane i of a superblock is scale group 4*s + i; the kernel multiplies the plane by
+its row's scale (bf16(q * s), the reference's rounding) and accumulates plane x the matching 32 activations
+into one f32 tile (one accumulating MMA per plane).  Scales are transposed and paired: word (j, r) of
+`*_scale_t` holds the bf16 scales of groups 2j (low 16 bits) and 2j + 1 (high) of row r, so a plane pair's
+scales for a tile of rows are one contiguous load of 32-bit words.  Why 32-bit: Triton's software pipeliner
+only turns loads of >= 4 bytes per thread into asynchronous copies (cp.async); as [rows] bf16 vectors the
+scale loads stayed synchronous and every loop iteration waited on a global-memory round trip (offline
+SASS: 16 LDG.U16 per iteration; paired words: all loads LDGSTS), and 1.3-1.55x slower (BENCHMARKS.md).
+Words are tiled (`_tile`): each [64, 16] (gate/up) or [128, 16] (down) tile of one superblock of a block
+of rows is contiguous, so a loop iteration reads one 4-8 KB piece.  Byte counts are unchanged (the scales'
+and tiles' shapes are not).  Both the reference and the kernel accept either layout; handing the
 checkpoint layout to the kernel re-lays the whole layer out on every call (correct but slow: 36.5 ms vs
-0.285 ms per Kimi layer at T=1 on the H200).  So the target stores the kernel layout: `KimiTarget` converts
+0.285 ms per Kimi layer at T=1 on the H200, with the previous kernel).  So the target stores the kernel layout: `KimiTarget` converts
 the checkpoint-layout experts once when it is built with the kernel (`kimijax/target.py`,
 `convert_expert_layout`, one jitted `relayout_for_kernel` per layer, sharding-aware), and the savers convert
 back with `relayout_to_checkpoint`.  The layout needs D and F (per tensor-parallel shard) divisible by 128.
@@ -30,7 +37,9 @@ Kernel design (two pallas_calls + a few tiny XLA ops):
   1. gate/up: grid (U work slots, F / block_f).  A slot is one used expert; its program streams the
      expert's gate and up rows [block_f, D] once (INT4 dequantised in registers, or bf16), multiplies all
      tokens routed to that expert (chunks of NB = 16 tokens; a chunk loop only for experts with > 16
-     tokens), applies SwiGLU and writes h^T [F, columns] in bf16 (as the reference rounds h).
+     tokens), applies SwiGLU and writes h [columns, F] in bf16 (as the reference rounds h; F-contiguous,
+     so the down kernel's reads of a column's F slice are vector loads that Triton pipelines even when the
+     columns are sorted pairs).
   2. down: grid (U, D / block_d): each slot streams its expert's down rows [block_d, F] once, multiplies
      the slot's h columns, scales by the routing weights and atomically adds into y [T+1, D] f32 (row T is
      a dump row for padding lanes).  y[:T] is cast to x's dtype.
@@ -46,9 +55,9 @@ Shape limits of the kernel: INT4 and bf16 need D and F divisible by 128, and blo
 F / D (defaults 64 / 128, halved until they divide).  Other shapes fall back to `moe_ref` (explicitly, in
 `moe`).  Backend: the Triton lowering of Pallas (`pl.pallas_call` + `pltriton.CompilerParams`): it runs
 under interpret=True on CPU for the tests; Mosaic GPU was not tried (no device time for a second backend).
-Measured on an H200 (BENCHMARKS.md, "Kernels"): bf16 weights stream at 3.1-3.5 TB/s (at or above the
-same run's reduction roof) from T = 9 up; INT4 reaches only ~1.3 TB/s (21-44 % of the read roof), bound by
-per-iteration latency, not bandwidth.
+Measured on an H200 (BENCHMARKS.md, "Kernels"): bf16 weights stream at 3.3-3.4 TB/s from T = 9 up; INT4
+reaches 1.05-1.8 TB/s (27-45 % of a 3.96 TB/s read roof): not bandwidth-bound; the unpack + scale ALU work
+(~4 bf16x2 ops per plane and word) and one MMA wait per plane pair remain per loop iteration.
 """
 
 from __future__ import annotations
@@ -109,22 +118,86 @@ def _from_planar(planar):
 _CKPT_KEYS = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
 
 
-def _relayout(experts: dict, src: tuple, dst: tuple, words_fn) -> dict:
-    """Words through `words_fn` one expert at a time (lax.map: the temporary is one expert's nibbles, not the
-    layer's), scales transposed [E, a, b] -> [E, b, a]; keys renamed src -> dst (both in _PLANAR_KEYS order)."""
-    return {d: lax.map(words_fn, experts[k]) if i % 2 == 0 else jnp.swapaxes(experts[k], 1, 2)
-            for i, (k, d) in enumerate(zip(src, dst))}
+def _pair_scales(scale_t):
+    """bf16 [..., G, out] -> int32 [..., G/2, out]: word (j, r) holds the scale of group 2j in its low 16 bits
+    and of group 2j + 1 in its high 16 bits (so the kernel loads 32-bit scale words: see module docstring)."""
+    *lead, G, O = scale_t.shape
+    pairs = jnp.moveaxis(scale_t.reshape(*lead, G // 2, 2, O), -2, -1)  # [..., G/2, out, 2]
+    return lax.bitcast_convert_type(pairs, jnp.int32)
+
+
+def _unpair_scales(words):
+    """Inverse of `_pair_scales`: int32 [..., G/2, out] -> bf16 [..., G, out]."""
+    *lead, G2, O = words.shape
+    return jnp.moveaxis(lax.bitcast_convert_type(words, jnp.bfloat16), -1, -2).reshape(*lead, 2 * G2, O)
+
+
+def _scales_to_kernel(scale):  # checkpoint [..., out, in/32] bf16 -> kernel [..., in/64, out] int32 words
+    return _pair_scales(jnp.swapaxes(scale, -1, -2))
+
+
+def _scales_to_checkpoint(words):
+    return jnp.swapaxes(_unpair_scales(words), -1, -2)
+
+
+def _tile(planar, rows: int, sb_major: bool):
+    """One expert's planar words [out, in/8] -> [out*in/128, 16]: the [rows, 16] tile of row block b and
+    superblock s is stored contiguously, tiles ordered (b, s) or, sb_major, (s, b).  A loop iteration of the
+    kernel then reads one 4-8 KB piece instead of `rows` 64-byte pieces a row apart (measured 1.08-1.10x at
+    T = 9 / 65).  gate/up: 64-row blocks, block-major (a tensor-parallel split of F splits this axis);
+    down: 128-row blocks of D, superblock-major (its superblocks run along F, which tensor parallelism splits)."""
+    out, w = planar.shape
+    t = planar.reshape(out // rows, rows, w // 16, 16)  # [b, r, s, m]
+    t = jnp.transpose(t, (2, 0, 1, 3) if sb_major else (0, 2, 1, 3))
+    return t.reshape(out * w // 16, 16)
+
+
+def _untile(tiled, out: int, rows: int, sb_major: bool):
+    """Inverse of `_tile` -> [out, in/8]."""
+    w = tiled.shape[0] * 16 // out
+    nb, ns = out // rows, w // 16
+    t = tiled.reshape((ns, nb, rows, 16) if sb_major else (nb, ns, rows, 16))
+    t = jnp.transpose(t, (1, 2, 0, 3) if sb_major else (0, 2, 1, 3))  # -> [b, r, s, m]
+    return t.reshape(out, w)
+
+
+TILE_GU, TILE_DN = 64, 128  # rows per weight tile of gate/up and of down (the kernel's default blocks)
+_TILING = {"gate": (TILE_GU, False), "up": (TILE_GU, False), "down": (TILE_DN, True)}
+
+
+def _words_to_kernel(name):
+    rows, sb_major = _TILING[name]
+    return lambda packed: _tile(_to_planar(packed), rows, sb_major)
+
+
+def _words_to_checkpoint(name, out):
+    rows, sb_major = _TILING[name]
+    return lambda tiled: _from_planar(_untile(tiled, out, rows, sb_major))
 
 
 def relayout_for_kernel(experts: dict) -> dict:
     """One-time load-time re-layout of an INT4 expert dict into the kernel layout (module docstring).
-    bf16 dicts and dicts already in the kernel layout are returned unchanged."""
-    return _relayout(experts, _CKPT_KEYS, _PLANAR_KEYS, _to_planar) if "gate_packed" in experts else experts
+    bf16 dicts and dicts already in the kernel layout are returned unchanged.  Words go one expert at a time
+    (lax.map: the temporary is one expert's nibbles, not the layer's)."""
+    if "gate_packed" not in experts:
+        return experts
+    out = {}
+    for name in ("gate", "up", "down"):
+        out[f"{name}_planar"] = lax.map(_words_to_kernel(name), experts[f"{name}_packed"])
+        out[f"{name}_scale_t"] = _scales_to_kernel(experts[f"{name}_scale"])
+    return out
 
 
 def relayout_to_checkpoint(experts: dict) -> dict:
     """Inverse of `relayout_for_kernel` (for savers): kernel layout -> checkpoint layout, bit for bit."""
-    return _relayout(experts, _PLANAR_KEYS, _CKPT_KEYS, _from_planar) if "gate_planar" in experts else experts
+    if "gate_planar" not in experts:
+        return experts
+    out = {}
+    for name in ("gate", "up", "down"):
+        rows_out = experts[f"{name}_scale_t"].shape[-1]
+        out[f"{name}_packed"] = lax.map(_words_to_checkpoint(name, rows_out), experts[f"{name}_planar"])
+        out[f"{name}_scale"] = _scales_to_checkpoint(experts[f"{name}_scale_t"])
+    return {k: out[k] for k in _CKPT_KEYS}
 
 
 def kernel_layout_ok(D: int, F: int, tp: int = 1) -> bool:
@@ -133,9 +206,10 @@ def kernel_layout_ok(D: int, F: int, tp: int = 1) -> bool:
     return D % SB == 0 and F % tp == 0 and (F // tp) % SB == 0
 
 
-def _dequant_planar(planar, scale_t, dtype):
-    """One expert, kernel layout -> [out, in] (same numerics as kimijax.quant.dequantize)."""
-    return dequantize(_from_planar(planar), jnp.swapaxes(scale_t, 0, 1), dtype)
+def _dequant_planar(name, tiled, scale_t, dtype):
+    """One expert's `name` matrix, kernel layout -> [out, in] (same numerics as kimijax.quant.dequantize)."""
+    packed = _words_to_checkpoint(name, scale_t.shape[-1])(tiled)
+    return dequantize(packed, _scales_to_checkpoint(scale_t), dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,9 +223,8 @@ def _expert_weights(experts: dict, e, dtype):
         u = dequantize(experts["up_packed"][e], experts["up_scale"][e], dtype)
         d = dequantize(experts["down_packed"][e], experts["down_scale"][e], dtype)
     elif "gate_planar" in experts:
-        g = _dequant_planar(experts["gate_planar"][e], experts["gate_scale_t"][e], dtype)
-        u = _dequant_planar(experts["up_planar"][e], experts["up_scale_t"][e], dtype)
-        d = _dequant_planar(experts["down_planar"][e], experts["down_scale_t"][e], dtype)
+        g, u, d = (_dequant_planar(n, experts[f"{n}_planar"][e], experts[f"{n}_scale_t"][e], dtype)
+                   for n in ("gate", "up", "down"))
     else:
         g, u, d = (experts[k][e].astype(dtype) for k in ("gate", "up", "down"))
     return g, u, d
@@ -206,17 +279,18 @@ def _mm(a, b, f32_operands):
 def _plane_asm(i: int, scaled: bool) -> str:
     # one int32 word -> the bf16 pair (q[32i + 2m], q[32i + 2m + 1]): nibbles i and i + 4, each or-ed
     # into the bf16 pattern of 128 + v (0x4300 | v), then 128 + v - 136 = v - 8 = q exactly (bf16x2 fma);
-    # scaled: times the row's scale ($3) in one more bf16x2 fma (+ -0.0), i.e. bf16(q * s) as the reference.
+    # scaled: times the row's scale word {s, s} ($3, made once per row by `_scale_word`) in one more bf16x2
+    # fma (+ -0.0), i.e. bf16(q * s) as the reference.
     shift = f"shr.b32 t, $2, {4 * i};" if i else "mov.b32 t, $2;"
-    asm = ("{ .reg .b32 t, one, off, sc, nz; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; " + shift +
+    asm = ("{ .reg .b32 t, one, off, nz; mov.b32 one, 0x3F803F80; mov.b32 off, 0xC308C308; " + shift +
            " lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, off;")
     if scaled:
-        asm += " mov.b32 sc, {$3, $3}; mov.b32 nz, 0x80008000; fma.rn.bf16x2 t, t, sc, nz;"
+        asm += " mov.b32 nz, 0x80008000; fma.rn.bf16x2 t, t, $3, nz;"
     return asm + " mov.b32 {$0, $1}, t; }"
 
 
 def _make_plane_asm_primitive():
-    """Primitive (int32 words [r, n], optional bf16 scales [r, n]) -> bf16 [r, 2n] (plane i, static), lowered
+    """Primitive (int32 words [r, n], optional scale words {s, s} [r, n]) -> bf16 [r, 2n] (plane i, static), lowered
     to one inline-asm op with two bf16 results, joined and reshaped (the Pallas elementwise_inline_asm
     wrapper cannot return two results).  GPU (Triton lowering) only; interpret mode uses `_plane`'s jnp
     formulation."""
@@ -236,7 +310,7 @@ def _make_plane_asm_primitive():
         half = jax_core.ShapedArray(ctx.avals_in[0].shape, jnp.bfloat16)
         ty = mlir.aval_to_ir_type(ctx.context.mlir_ctx, half)
         res = tt_dialect.elementwise_inline_asm([ty, ty], _plane_asm(i, bool(scale)),
-                                               constraints="=h,=h,r" + (",h" if scale else ""), pure=True,
+                                               constraints="=h,=h,r" + (",r" if scale else ""), pure=True,
                                                packed_element=1, args=[words, *scale])
         lo, hi = list(res)
         joined = tt_dialect.join(tl.get_join_type(tl.ir.RankedTensorType(lo.type)), lo, hi)
@@ -246,11 +320,45 @@ def _make_plane_asm_primitive():
 
 
 _PLANE_ASM_P = None
+_DOT_ACC_P = None
+
+
+def _make_dot_acc_primitive():
+    """Primitive (acc f32 [m, n], a [m, k], b [k, n]) -> acc + a @ b, lowered to one tt.dot with `acc` as its
+    accumulator.  JAX lowers `acc + dot(a, b)` to a dot from zero plus a separate add, which Triton does not
+    fuse for floats (it would reassociate), so each MMA had to finish before the add (a wgmma wait per dot).
+    GPU (Triton lowering) only."""
+    from jax._src import core as jax_core
+    from jax._src.lib.triton import dialect as tt_dialect
+    from jax._src.pallas.triton import lowering as tl
+
+    prim = jax_core.Primitive("kimijax_dot_acc")
+
+    @prim.def_abstract_eval
+    def _abstract(acc, a, b):
+        return jax_core.ShapedArray(acc.shape, acc.dtype)
+
+    @tl.register_lowering(prim)
+    def _lower(ctx, acc, a, b):
+        return tt_dialect.dot(a, b, acc)
+
+    return prim
+
+
+def _mma(acc, a, b, native: bool):
+    """acc + a @ b in f32: one accumulating tt.dot on the GPU (native), a dot and an add otherwise."""
+    global _DOT_ACC_P
+    if not native:
+        return acc + _mm(a, b, True)
+    if _DOT_ACC_P is None:
+        _DOT_ACC_P = _make_dot_acc_primitive()
+    return _DOT_ACC_P.bind(acc, a, b)
 
 
 def _plane(words, i, use_asm, scale=None):
     """words int32 [rows, 16] (one superblock) -> plane i as bf16 [rows, 32]: q of inputs 32 i .. 32 i + 31,
-    or bf16(q * scale[row]) when scale (bf16 [rows]) is given (the reference's dequantisation)."""
+    or bf16(q * s[row]) when scale (int32 words {s, s} [rows], `_scale_word`) is given (the reference's
+    dequantisation)."""
     global _PLANE_ASM_P
     rows, n = words.shape
     if use_asm:
@@ -261,7 +369,23 @@ def _plane(words, i, use_asm, scale=None):
     lo = (((words >> (4 * i)) & 0xF) - 8).astype(jnp.float32).astype(jnp.bfloat16)
     hi = (((words >> (4 * i + 16)) & 0xF) - 8).astype(jnp.float32).astype(jnp.bfloat16)
     q = jnp.stack([lo, hi], axis=-1).reshape(rows, 2 * n)
+    if scale is not None:  # a {s, s} word: s in the high 16 bits
+        scale = lax.bitcast_convert_type(scale & jnp.int32(-65536), jnp.float32).astype(jnp.bfloat16)
     return q if scale is None else q * scale[:, None]
+
+
+def _scale_word(sv, i):
+    """Paired scale words [rows] (low / high 16 bits: the bf16 scales of planes 2j / 2j + 1) -> plane i's
+    scale as one bf16x2 word {s, s} per row, made once per row (not per weight word)."""
+    hi = (sv & jnp.int32(-65536)) if i % 2 else (sv << 16)
+    return hi | lax.shift_right_logical(hi, 16)
+
+
+def _tile_row(r0, sa, n_other, tile_rows, *, sb_major):
+    """First row (in the [E, rows, 16] tiled words) of the rows r0 .. of superblock sa; see `_tile`."""
+    blk, off = r0 // tile_rows, r0 % tile_rows
+    t = sa * n_other + blk if sb_major else blk * n_other + sa
+    return t * tile_rows + off
 
 
 def _slot_info(u, c, route, *, dense, T, K, Kp):
@@ -302,10 +426,6 @@ def _slot_info(u, c, route, *, dense, T, K, Kp):
     return e, active, n_chunks, cols, tok, valid, wt
 
 
-def _f32(v):
-    return v if v.dtype == jnp.float32 else v.astype(jnp.float32)
-
-
 def _run_chunks(n_chunks, chunk, quant):
     """chunk(c, ()) for c < n_chunks.  bf16 weights: the common single-chunk case runs outside any loop
     (measured 1.8x faster on the sorted path at T = 33 / 129).  INT4: one loop for every case (a second
@@ -327,7 +447,7 @@ def _run_chunks(n_chunks, chunk, quant):
         lax.fori_loop(0, n_chunks, chunk, ())
 
 
-def _gate_up_kernel(*refs, dense, quant, T, K, Kp, D, BF, SPS, PF, f32_dots, use_asm, prescale):
+def _gate_up_kernel(*refs, dense, quant, T, K, Kp, D, BF, SPS, f32_dots, use_asm):
     nroute = 2 if dense else 5
     route = refs[:nroute]
     if dense:
@@ -349,41 +469,24 @@ def _gate_up_kernel(*refs, dense, quant, T, K, Kp, D, BF, SPS, PF, f32_dots, use
             _, _, _, cols, tok, valid, _ = _slot_info(u, c, route, dense=dense, T=T, K=K, Kp=Kp)
             acc0 = (jnp.zeros((BF, NB), jnp.float32), jnp.zeros((BF, NB), jnp.float32))
             if quant:
-                NIT = D // (SB * SPS)
-
-                def scales(it):  # the iteration's 4 * SPS (gate, up) scale vectors, [BF] bf16 each
-                    it = jnp.minimum(it, NIT - 1)
-                    return tuple((gs_ref[e, (it * SPS + sb) * 4 + i, pl.ds(f0, BF)],
-                                  us_ref[e, (it * SPS + sb) * 4 + i, pl.ds(f0, BF)])
-                                 for sb in range(SPS) for i in range(4))
-
-                def step(s, carry):
-                    acc_g, acc_u, queue = carry
-                    if PF:  # scale loads PF iterations ahead, carried in registers
-                        cur, queue = queue[0], queue[1:] + (scales(s + PF),)
+                def step(s, accs):
+                    acc_g, acc_u = accs
                     for sb in range(SPS):  # SPS superblocks of 128 inputs per loop iteration
                         sa = s * SPS + sb
-                        wg = g_ref[e, pl.ds(f0, BF), pl.ds(sa * 16, 16)]  # [BF, 16] int32: one superblock
-                        wu = u_ref[e, pl.ds(f0, BF), pl.ds(sa * 16, 16)]
+                        r0 = _tile_row(f0, sa, D // SB, TILE_GU, sb_major=False)  # [BF, 16] int32, contiguous
+                        wg = g_ref[e, pl.ds(r0, BF), :]
+                        wu = u_ref[e, pl.ds(r0, BF), :]
                         for i in range(4):
                             d = sa * SB + i * 32 + lax.broadcasted_iota(jnp.int32, (32, NB), 0)
                             xp = x_ref[jnp.broadcast_to(tok[None, :], (32, NB)), d]  # [32, NB] bf16
-                            if PF:
-                                sg, su = cur[sb * 4 + i]
-                            else:  # [BF] scales of plane i, loaded where they are used
-                                cvt = (lambda v: v) if prescale else (lambda v: v.astype(jnp.float32))
-                                sg = cvt(gs_ref[e, sa * 4 + i, pl.ds(f0, BF)])
-                                su = cvt(us_ref[e, sa * 4 + i, pl.ds(f0, BF)])
-                            if prescale:  # dot(bf16(q * s), x)
-                                acc_g = acc_g + _mm(_plane(wg, i, use_asm, sg), xp, f32_dots)
-                                acc_u = acc_u + _mm(_plane(wu, i, use_asm, su), xp, f32_dots)
-                            else:  # dot(q, x) * s in f32
-                                acc_g = acc_g + _mm(_plane(wg, i, use_asm), xp, f32_dots) * _f32(sg)[:, None]
-                                acc_u = acc_u + _mm(_plane(wu, i, use_asm), xp, f32_dots) * _f32(su)[:, None]
-                    return acc_g, acc_u, queue
+                            if i % 2 == 0:  # one word vector holds the [BF] scales of planes i and i + 1
+                                sg = gs_ref[e, sa * 2 + i // 2, pl.ds(f0, BF)]
+                                su = us_ref[e, sa * 2 + i // 2, pl.ds(f0, BF)]
+                            acc_g = _mma(acc_g, _plane(wg, i, use_asm, _scale_word(sg, i)), xp, use_asm)
+                            acc_u = _mma(acc_u, _plane(wu, i, use_asm, _scale_word(su, i)), xp, use_asm)
+                    return acc_g, acc_u
 
-                queue0 = tuple(scales(jnp.int32(k)) for k in range(PF))
-                acc_g, acc_u, _ = lax.fori_loop(0, NIT, step, (*acc0, queue0))
+                acc_g, acc_u = lax.fori_loop(0, D // (SB * SPS), step, acc0)
             else:
                 STEP = BF16_STEP * SPS
 
@@ -400,16 +503,16 @@ def _gate_up_kernel(*refs, dense, quant, T, K, Kp, D, BF, SPS, PF, f32_dots, use
             rows2 = jnp.broadcast_to(frows[:, None], (BF, NB))
             cols2 = jnp.broadcast_to(cols[None, :], (BF, NB))
             if dense:
-                pltriton.store(h_ref.at[rows2, cols2], h.astype(h_ref.dtype))  # the slot's own 16 columns
+                pltriton.store(h_ref.at[cols2, rows2], h.astype(h_ref.dtype))  # the slot's own 16 columns
             else:
-                pltriton.store(h_ref.at[rows2, cols2], h.astype(h_ref.dtype),
+                pltriton.store(h_ref.at[cols2, rows2], h.astype(h_ref.dtype),
                                mask=jnp.broadcast_to(valid[None, :], (BF, NB)))
             return carry
 
         _run_chunks(n_chunks, chunk, quant)
 
 
-def _down_kernel(*refs, dense, quant, T, K, Kp, F, BD, SPS, PF, f32_dots, use_asm, prescale):
+def _down_kernel(*refs, dense, quant, T, K, Kp, D, F, BD, SPS, f32_dots, use_asm):
     nroute = 2 if dense else 5
     route = refs[:nroute]
     if quant:
@@ -427,42 +530,25 @@ def _down_kernel(*refs, dense, quant, T, K, Kp, F, BD, SPS, PF, f32_dots, use_as
             _, _, _, cols, tok, valid, wt = _slot_info(u, c, route, dense=dense, T=T, K=K, Kp=Kp)
             acc0 = jnp.zeros((BD, NB), jnp.float32)
             if quant:
-                NIT = F // (SB * SPS)
-
-                def scales(it):
-                    it = jnp.minimum(it, NIT - 1)
-                    return tuple(ds_ref[e, (it * SPS + sb) * 4 + i, pl.ds(d0, BD)]
-                                 for sb in range(SPS) for i in range(4))
-
-                def step(s, carry):
-                    acc, queue = carry
-                    if PF:
-                        cur, queue = queue[0], queue[1:] + (scales(s + PF),)
+                def step(s, acc):
                     for sb in range(SPS):
                         sa = s * SPS + sb
-                        wd = d_ref[e, pl.ds(d0, BD), pl.ds(sa * 16, 16)]  # [BD, 16] int32: one superblock
+                        wd = d_ref[e, pl.ds(_tile_row(d0, sa, D // TILE_DN, TILE_DN, sb_major=True), BD), :]
                         for i in range(4):
                             f = sa * SB + i * 32 + lax.broadcasted_iota(jnp.int32, (32, NB), 0)
-                            hp = h_ref[f, jnp.broadcast_to(cols[None, :], (32, NB))]  # [32, NB] bf16
-                            if PF:
-                                sd = cur[sb * 4 + i]
-                            else:
-                                sd = ds_ref[e, sa * 4 + i, pl.ds(d0, BD)]
-                                sd = sd if prescale else sd.astype(jnp.float32)
-                            if prescale:
-                                acc = acc + _mm(_plane(wd, i, use_asm, sd), hp, f32_dots)
-                            else:
-                                acc = acc + _mm(_plane(wd, i, use_asm), hp, f32_dots) * _f32(sd)[:, None]
-                    return acc, queue
+                            hp = h_ref[jnp.broadcast_to(cols[None, :], (32, NB)), f]  # [32, NB] bf16, contiguous along F
+                            if i % 2 == 0:
+                                sd = ds_ref[e, sa * 2 + i // 2, pl.ds(d0, BD)]
+                            acc = _mma(acc, _plane(wd, i, use_asm, _scale_word(sd, i)), hp, use_asm)
+                    return acc
 
-                queue0 = tuple(scales(jnp.int32(k)) for k in range(PF))
-                acc, _ = lax.fori_loop(0, NIT, step, (acc0, queue0))
+                acc = lax.fori_loop(0, F // (SB * SPS), step, acc0)
             else:
                 STEP = BF16_STEP * SPS
 
                 def step(s, acc):
                     f = s * STEP + lax.broadcasted_iota(jnp.int32, (STEP, NB), 0)
-                    hp = h_ref[f, jnp.broadcast_to(cols[None, :], (STEP, NB))]
+                    hp = h_ref[jnp.broadcast_to(cols[None, :], (STEP, NB)), f]
                     wd = d_ref[e, pl.ds(d0, BD), pl.ds(s * STEP, STEP)]
                     return acc + _mm(wd, hp, f32_dots)
 
@@ -488,8 +574,7 @@ def kernel_supports(x_TD, experts: dict) -> bool:
     if "gate" in experts:
         F = experts["gate"].shape[1]
         return D % BF16_STEP == 0 and F % BF16_STEP == 0
-    key = "gate_planar" if "gate_planar" in experts else "gate_packed"
-    F = experts[key].shape[1]
+    F = experts["gate_scale_t"].shape[2] if "gate_planar" in experts else experts["gate_packed"].shape[1]
     return D % SB == 0 and F % SB == 0
 
 
@@ -501,26 +586,21 @@ def _fit_steps(n_blocks: int, want: int) -> int:
 
 
 def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None, block_d: int | None = None,
-               steps: int | None = None, num_warps: int = 4, num_stages: int = 4, dense_max_tokens: int = NB,
-               use_asm: bool = True, prescale: bool = False, prefetch: int = 0, min_programs: int = 0,
-               interpret: bool = False):
+               steps: int | None = None, num_warps: int = 4, num_stages: int = 3, dense_max_tokens: int = NB,
+               use_asm: bool = True, min_programs: int = 0, interpret: bool = False):
     """Pallas MoE (see module docstring).  Same contract as `moe_ref`.
 
-    block_f / block_d: rows of gate/up resp. down per program (default 64 / 128; halved down to 32 while
-    fewer than `min_programs` programs would have work: off by default, it measured slower at T = 1);
-    steps: 128-input superblocks (INT4) or 128-input slices (bf16) per loop iteration (default 1);
-    use_asm: inline-PTX INT4 unpack (else shifts + converts); prescale: multiply the scales into the bf16
-    weight plane before the dot (the reference's bf16(q * s), and the dots accumulate into one f32 tile)
-    instead of scaling each plane's f32 dot result;
-    prefetch: the scale vectors are loaded this many loop iterations ahead (carried in registers; Triton's
-    pipeliner only stages the weight and activation tiles)."""
+    block_f / block_d: rows of gate/up resp. down per program (default 64 / 128, the INT4 tile heights, which
+    they must divide; halved down to 32 while fewer than `min_programs` programs would have work: off by
+    default, it measured slower at T = 1); steps: 128-input superblocks (INT4) or 128-input slices (bf16) per
+    loop iteration (default 1); use_asm: inline-PTX INT4 unpack (else shifts + converts)."""
     if "gate_packed" in experts:
         experts = relayout_for_kernel(experts)
     quant = "gate_planar" in experts
     T, D = x_TD.shape
     K = ids_TK.shape[1]
     E = num_experts(experts)
-    F = (experts["gate_planar"] if quant else experts["gate"]).shape[1]
+    F = experts["gate_scale_t"].shape[2] if quant else experts["gate"].shape[1]
     n_work = min(T * K, E)  # upper bound on experts with work
     if block_f is None:
         block_f = 64
@@ -570,8 +650,10 @@ def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None,
             stages -= 1
         return pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
 
-    common = dict(dense=dense, quant=quant, T=T, K=K, Kp=Kp, f32_dots=interpret, use_asm=use_asm and not interpret,
-                  prescale=prescale, PF=max(0, prefetch))
+    if quant and (TILE_GU % BF or TILE_DN % BD):
+        raise ValueError(f"INT4 blocks {BF} / {BD} must divide the weight tiles ({TILE_GU} / {TILE_DN} rows)")
+    common = dict(dense=dense, quant=quant, T=T, K=K, Kp=Kp, D=D, f32_dots=interpret,
+                  use_asm=use_asm and not interpret)
 
     if quant:
         w_in = (experts["gate_planar"], experts["gate_scale_t"], experts["up_planar"], experts["up_scale_t"])
@@ -579,10 +661,10 @@ def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None,
     else:
         w_in = (experts["gate"], experts["up"])
         d_in = (experts["down"],)
-    hT = pl.pallas_call(
-        functools.partial(_gate_up_kernel, D=D, BF=BF, SPS=SPS_gu, **common),
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, BF=BF, SPS=SPS_gu, **common),
         grid=(U, F // BF),
-        out_shape=jax.ShapeDtypeStruct((F, ncols), x_TD.dtype),
+        out_shape=jax.ShapeDtypeStruct((ncols, F), x_TD.dtype),
         compiler_params=params(BF, SPS_gu),
         interpret=interpret,
         name="moe_gate_up",
@@ -597,7 +679,7 @@ def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None,
         compiler_params=params(BD // 2, SPS_dn),
         interpret=interpret,
         name="moe_down",
-    )(*route, hT, *d_in, y0)
+    )(*route, h, *d_in, y0)
     return y[:T].astype(x_TD.dtype)
 
 

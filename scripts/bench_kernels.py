@@ -167,11 +167,13 @@ def moe_inputs(T, R, seed):
     return [(x, ids, w) for ids, w in routings(T, R, seed)]
 
 
-MOE_CONFIGS = {  # left-out options = the kernel's defaults (blocks 64 / 128, 1 superblock per iteration,
-    "default": dict(),  # scale applied to each plane's f32 dot result, scale loads inline)
-    "prescale_pf1": dict(prescale=True, prefetch=1),  # bf16(q * s) planes, scale loads 1 iteration ahead
-    "cvt": dict(use_asm=False),  # shifts + int->float converts instead of the inline-PTX unpack
+MOE_CONFIGS = {  # left-out options = the kernel's defaults (blocks 64 / 128, 1 superblock per iteration, 3 stages)
+    "default": dict(),
+    "steps2": dict(steps=2),  # 2 superblocks per loop iteration
+    "stages4": dict(num_stages=4),
 }
+# Measured out earlier (BENCHMARKS.md, 2026-12-03 runs 1-3; since removed from the kernel): transposed bf16
+# scales (unpipelined 16-bit loads), scales applied to each plane's f32 dot, untiled words, 128-row blocks.
 
 
 def moe_case(name, T, experts, bytes_per_expert, roof, cfg, *, ref_experts=None, R=4, reps=10,
@@ -315,7 +317,7 @@ def main():
         if not args.no_sweep:
             for cname, cfg in (MOE_CONFIGS.items() if not SMALL else list(MOE_CONFIGS.items())[:2]):
                 for T in ((9, 65) if not SMALL else (3, 20)):
-                    if elapsed() > 0.25 * args.budget:
+                    if elapsed() > 0.35 * args.budget:
                         break
                     guarded(f"{cname}|T{T}", lambda: moe_case(f"sweep moe {cname} T={T}", T, kern, BYTES_INT4,
                                                               roof, cfg, ref_experts=ckpt, time_ref=False),
@@ -325,10 +327,12 @@ def main():
         log(f"MoE config: {best}")
         cfg = MOE_CONFIGS[best]
         cases = RES["cases"].setdefault("moe_int4", {})
-        if "block_f" not in cfg and elapsed() < 0.4 * args.budget:  # T = 1 with 32 / 64-row blocks
-            guarded("T1_blocks32_64", lambda: moe_case("moe int4 T=1 blocks 32/64", 1, kern, BYTES_INT4, roof,
-                                                       dict(cfg, block_f=32, block_d=64), ref_experts=ckpt,
-                                                       time_ref=False), RES["cases"].setdefault("moe_int4", {}))
+        for bf, bd in ((32, 64),):  # T = 1 with smaller blocks (more programs)
+            if "block_f" not in cfg and elapsed() < 0.4 * args.budget:
+                guarded(f"T1_blocks{bf}_{bd}", lambda: moe_case(f"moe int4 T=1 blocks {bf}/{bd}", 1, kern, BYTES_INT4,
+                                                                roof, dict(cfg, block_f=bf, block_d=bd),
+                                                                ref_experts=ckpt, time_ref=False),
+                        RES["cases"].setdefault("moe_int4", {}))
         for T in ((1, 9, 17, 33, 65, 129) if not SMALL else (1, 17)):
             guarded(f"T{T}", lambda: moe_case(f"moe int4 T={T}", T, kern, BYTES_INT4, roof, cfg,
                                               ref_experts=ckpt, time_ref=elapsed() < 0.45 * args.budget), cases)

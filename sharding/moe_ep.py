@@ -49,7 +49,7 @@ EXPERT_AXES: dict[str, tuple[str, ...]] = {
     "gate_scale_t": ("expert", "embed_groups", "expert_mlp"),
     "up_planar": ("expert", "expert_mlp", "embed_packed"),
     "up_scale_t": ("expert", "embed_groups", "expert_mlp"),
-    "down_planar": ("expert", "embed", "expert_mlp_packed"),
+    "down_planar": ("expert", "expert_mlp_packed", "embed"),  # tiles superblock-major: F splits axis 1
     "down_scale_t": ("expert", "expert_mlp_groups", "embed"),
     "gate": ("expert", "expert_mlp", "embed"),
     "up": ("expert", "expert_mlp", "embed"),
@@ -66,7 +66,7 @@ def expert_specs(experts: dict, mesh: Mesh) -> dict:
         out[k] = logical_to_spec(EXPERT_AXES[k], v.shape, mesh, what=f"experts/{k}")
     tp = mesh_sizes(mesh)["tensor"]
     if tp > 1 and "gate_planar" in experts:  # planar superblocks (128 inputs) must not straddle F shards
-        F = experts["gate_planar"].shape[1]
+        F = experts["gate_scale_t"].shape[2]
         if (F // tp) % 128:
             raise ShardingError(f"kernel-layout experts: F={F} split {tp}-way leaves {F // tp} rows per shard, "
                                 f"not a multiple of the 128-input superblock")

@@ -130,7 +130,7 @@ def test_explicit_blocks_and_steps():
     ids, w = _routing(rng, T, K, E)
     y_ref = np.asarray(mi.moe_ref(x, ids, w, ex), np.float32)
     ex_k = mi.relayout_for_kernel(ex)
-    for kw in (dict(block_f=64, block_d=128, steps=1), dict(block_f=128, block_d=64, steps=4, prescale=False)):
+    for kw in (dict(block_f=64, block_d=128, steps=1), dict(block_f=32, block_d=64, steps=4)):
         y = jax.jit(functools.partial(mi.moe_pallas, interpret=True, **kw))(x, ids, w, ex_k)
         assert np.all(np.isfinite(np.asarray(y, np.float32)))
         assert _rel(y, y_ref) < 1e-2, f"seed={seed} {kw}"
@@ -159,16 +159,30 @@ def test_relayout_roundtrip_and_reference_on_both_layouts():
     ex_k = mi.relayout_for_kernel(ex)
     assert set(ex_k) == set(mi._PLANAR_KEYS)
     for name in ("gate", "up", "down"):
-        assert ex_k[f"{name}_planar"].shape == ex[f"{name}_packed"].shape
-        np.testing.assert_array_equal(np.asarray(jax.vmap(mi._from_planar)(ex_k[f"{name}_planar"])),
-                                      np.asarray(ex[f"{name}_packed"]))
-    # kernel layout: nibble 4 b + i of word m of superblock s is input 128 s + 32 i + 2 m + b
+        E, out, w8 = ex[f"{name}_packed"].shape
+        assert ex_k[f"{name}_planar"].shape == (E, out * w8 // 16, 16)
+    back = mi.relayout_to_checkpoint(ex_k)
+    for k in mi._CKPT_KEYS:
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(ex[k]))
+    # kernel layout: nibble 4 b + i of word m of superblock s is input 128 s + 32 i + 2 m + b, and the
+    # [rows, 16] words of (row block, superblock) are contiguous: gate/up 64-row blocks block-major,
+    # down 128-row blocks superblock-major
     from kimijax.quant import unpack_int4_np
-    q = unpack_int4_np(np.asarray(ex["gate_packed"][0]))  # [F, D]
-    w = np.asarray(ex_k["gate_planar"][0]).view(np.uint32)
-    for s, i, m, b in ((1, 3, 7, 1), (2, 0, 15, 0), (0, 2, 0, 1)):
-        got = ((w[:, 16 * s + m] >> (4 * (4 * b + i))) & 0xF).astype(np.int8)
-        np.testing.assert_array_equal(got, q[:, 128 * s + 32 * i + 2 * m + b] + 8)
+    F, D = 256, 512
+    for name, rows, sb_major, n_in in (("gate", 64, False, D), ("down", 128, True, F)):
+        q = unpack_int4_np(np.asarray(ex[f"{name}_packed"][0]))  # [out, in]
+        w = np.asarray(ex_k[f"{name}_planar"][0]).view(np.uint32)
+        n_out, n_sb = q.shape[0], n_in // 128
+        for r, s, i, m, b in ((70, 1, 3, 7, 1), (129, 2 % n_sb, 0, 15, 0), (0, 0, 2, 0, 1), (255, n_sb - 1, 1, 3, 0)):
+            blk = (s * (n_out // rows) + r // rows) if sb_major else (r // rows * n_sb + s)
+            word = w[blk * rows + r % rows, m]
+            got = (word >> (4 * (4 * b + i))) & 0xF
+            assert got == q[r, 128 * s + 32 * i + 2 * m + b] + 8, (name, r, s, i, m, b)
+    # scales: word (j, r) of expert e = bf16 scales of groups 2j (low 16 bits) and 2j + 1 (high) of row r
+    sw = np.asarray(ex_k["down_scale_t"]).view(np.uint32)  # [E, F/64, D]
+    sc = np.asarray(ex["down_scale"]).view(np.uint16)  # [E, D, F/32]
+    for e, j, r in ((0, 0, 0), (2, 3, 511), (1, 2, 17)):
+        assert sw[e, j, r] & 0xFFFF == sc[e, r, 2 * j] and sw[e, j, r] >> 16 == sc[e, r, 2 * j + 1]
     x = jnp.asarray(rng.normal(size=(5, 512)), jnp.bfloat16)
     ids, wt = _routing(rng, 5, 2, 3)
     np.testing.assert_array_equal(np.asarray(mi.moe_ref(x, ids, wt, ex), np.float32),
@@ -199,7 +213,8 @@ def test_target_converts_experts_once_and_computes_the_same(tmp_path):
     assert kern.expert_layout == "kernel" and params_expert_layout(kern.params) == "kernel"
     mlp = kern.params["layers_1"]["mlp"]
     assert set(mlp) >= set(mi._PLANAR_KEYS) and "gate_packed" not in mlp
-    assert mlp["gate_scale_t"].shape == (cfg.n_routed_experts, cfg.hidden_size // 32, cfg.moe_intermediate_size)
+    assert mlp["gate_scale_t"].shape == (cfg.n_routed_experts, cfg.hidden_size // 64, cfg.moe_intermediate_size)
+    assert mlp["gate_scale_t"].dtype == jnp.int32  # paired bf16 scale words
     assert kern.params["layers_0"] is p["layers_0"]  # non-expert leaves are shared, not copied
     assert "gate_packed" in p["layers_1"]["mlp"]  # the caller's params are not consumed
     # the reference reads both layouts bit for bit; the kernel matches it within bf16 rounding

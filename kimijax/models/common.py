@@ -24,6 +24,11 @@ def param(mod: nn.Module, name: str, shape, axes, dtype, init: str = "fan_in", f
     elif init == "int4_scale":  # q in [-8, 7] has std ~4.6; scale so weights have std 1/sqrt(fan_in)
         fn = lambda key, s, d: ((jnp.abs(jax.random.normal(key, s, jnp.float32)) * 0.5 + 0.75) / (
             4.6 * math.sqrt(fan_in))).astype(d)  # bf16 like the checkpoint (an f32 x bf16 product stays f32)
+    elif init == "int4_scale_pairs":  # the same scales as int32 words of two bf16 (the MoE kernel's layout)
+        def fn(key, s, d):
+            pairs = ((jnp.abs(jax.random.normal(key, (*s, 2), jnp.float32)) * 0.5 + 0.75) / (
+                4.6 * math.sqrt(fan_in))).astype(jnp.bfloat16)
+            return jax.lax.bitcast_convert_type(pairs, d)
     elif init == "small":  # router bias: small, so random models route ~uniformly like trained ones
         fn = lambda key, s, d: (0.01 * jax.random.normal(key, s, jnp.float32)).astype(d)
     elif init == "normal":

@@ -44,7 +44,8 @@ class MoE(nn.Module):
     moe_impl: str = "xla"
     expert_fn: Any = None  # optional override (e.g. sharding.moe_ep): fn(x_TD, ids_Tk, w_Tk, experts, impl) -> y_TD
     # INT4 experts as stored: "checkpoint" (compressed-tensors, kimijax/quant.py) or "kernel" (the Pallas
-    # kernel's planar words + transposed scales, pallas_kernels/moe_int4.py; made once by KimiTarget)
+    # kernel's tiled planar words + transposed, paired scale words, pallas_kernels/moe_int4.py; made once by
+    # KimiTarget)
     expert_layout: str = "checkpoint"
 
     @nn.compact
@@ -56,12 +57,12 @@ class MoE(nn.Module):
         if c.experts_int4 and self.expert_layout == "kernel":
             G = c.quant_group_size
             experts = {
-                "gate_planar": param(self, "gate_planar", (E, F, D // 8), ("expert", "expert_mlp", "embed_packed"), jnp.int32, init="bits"),
-                "gate_scale_t": param(self, "gate_scale_t", (E, D // G, F), ("expert", "embed_groups", "expert_mlp"), jnp.bfloat16, init="int4_scale", fan_in=D),
-                "up_planar": param(self, "up_planar", (E, F, D // 8), ("expert", "expert_mlp", "embed_packed"), jnp.int32, init="bits"),
-                "up_scale_t": param(self, "up_scale_t", (E, D // G, F), ("expert", "embed_groups", "expert_mlp"), jnp.bfloat16, init="int4_scale", fan_in=D),
-                "down_planar": param(self, "down_planar", (E, D, F // 8), ("expert", "embed", "expert_mlp_packed"), jnp.int32, init="bits"),
-                "down_scale_t": param(self, "down_scale_t", (E, F // G, D), ("expert", "expert_mlp_groups", "embed"), jnp.bfloat16, init="int4_scale", fan_in=F),
+                "gate_planar": param(self, "gate_planar", (E, F * D // 128, 16), ("expert", "expert_mlp", "embed_packed"), jnp.int32, init="bits"),
+                "gate_scale_t": param(self, "gate_scale_t", (E, D // (2 * G), F), ("expert", "embed_groups", "expert_mlp"), jnp.int32, init="int4_scale_pairs", fan_in=D),
+                "up_planar": param(self, "up_planar", (E, F * D // 128, 16), ("expert", "expert_mlp", "embed_packed"), jnp.int32, init="bits"),
+                "up_scale_t": param(self, "up_scale_t", (E, D // (2 * G), F), ("expert", "embed_groups", "expert_mlp"), jnp.int32, init="int4_scale_pairs", fan_in=D),
+                "down_planar": param(self, "down_planar", (E, D * F // 128, 16), ("expert", "expert_mlp_packed", "embed"), jnp.int32, init="bits"),
+                "down_scale_t": param(self, "down_scale_t", (E, F // (2 * G), D), ("expert", "expert_mlp_groups", "embed"), jnp.int32, init="int4_scale_pairs", fan_in=F),
             }
         elif c.experts_int4:
             G = c.quant_group_size
