@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Offline look at the INT4 MoE kernels' GPU code, no GPU needed: lowers `moe_pallas` at full Kimi width for a
+pretend H200 (Pallas Triton lowering), compiles each kernel's Triton IR with pip Triton for sm_90 and prints
+what decides its speed: registers, spills, shared memory, asynchronous (LDGSTS) vs synchronous (LDG) global
+loads, tensor-core ops (HGMMA) and waits on them.  This is how the synchronous scale loads were found
+(BENCHMARKS.md, "Kernels"); timings still come from scripts/bench_kernels.py on the GPU.
+
+  pip install triton==3.6.0          # any venv with jax; Triton bundles ptxas and cuobjdump
+  python scripts/moe_sass.py [--tokens 9] [--kwargs "block_f=32,steps=2"] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg  # noqa: E402
+
+from pallas_kernels import moe_int4 as mi  # noqa: E402
+
+E, F, D, K = 384, 2048, 7168, 8  # Kimi K2.6 routed experts
+
+
+def lower_kernels(T: int, kwargs: dict) -> dict[str, str]:
+    """-> {pallas_call name: Triton IR text} of moe_pallas at T tokens (kernel layout, full width)."""
+    captured, lower, info = {}, reg.lowering.lower_jaxpr_to_triton_module, reg.gpu_info_lib.get_gpu_info
+    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+
+    def capture(jaxpr, *a, **k):
+        res = lower(jaxpr, *a, **k)
+        captured[jaxpr.debug_info.func_name] = res.module.operation.get_asm()
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        S = jax.ShapeDtypeStruct
+        words = S((E, F * D // 128, 16), jnp.int32)
+        experts = {"gate_planar": words, "up_planar": words, "down_planar": words,
+                   "gate_scale_t": S((E, D // 64, F), jnp.int32), "up_scale_t": S((E, D // 64, F), jnp.int32),
+                   "down_scale_t": S((E, F // 64, D), jnp.int32)}
+        f = jax.jit(functools.partial(mi.moe_pallas, **kwargs))
+        f.trace(S((T, D), jnp.bfloat16), S((T, K), jnp.int32), S((T, K), jnp.float32),
+                experts).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module, reg.gpu_info_lib.get_gpu_info = lower, info
+    return captured
+
+
+def compile_report(name: str, ttir: str, workdir: str, num_warps: int, num_stages: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    path = os.path.join(workdir, f"{name}.ttir")
+    with open(path, "w") as fh:
+        fh.write(ttir)
+    k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                            num_stages=num_stages))
+    cubin = os.path.join(workdir, f"{name}.cubin")
+    with open(cubin, "wb") as fh:
+        fh.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    res = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(workdir, f"{name}.sass"), "w") as fh:
+        fh.write(sass)
+    ops = collections.Counter(m.group(1).split(".")[0] for m in
+                              re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M))
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res)
+    regs, stack, _, local = usage.groups() if usage else ("?",) * 4
+    return (f"{name:14s} regs {regs:>4s} stack {stack} local {local} shared {k.metadata.shared:>6d} B | "
+            f"LDGSTS {ops['LDGSTS']:3d} LDG {ops['LDG']:3d} HGMMA {ops['HGMMA']:3d} "
+            f"wgmma waits {sass.count('WARPGROUP.DEPBAR'):3d} FADD {ops['FADD']:3d} HFMA2 {ops['HFMA2']:3d} "
+            f"HMUL2 {ops['HMUL2']:3d} LOP3 {ops['LOP3']:3d} | {sass.count(chr(10))} SASS lines")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=9, help="T (<= 16: dense routing path, else sorted)")
+    ap.add_argument("--kwargs", default="", help='moe_pallas options, e.g. "block_f=32,steps=2"')
+    ap.add_argument("--keep", default=None, help="write .ttir/.cubin/.sass here (default: a temporary dir)")
+    args = ap.parse_args()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("needs pip Triton for the offline compile: pip install triton==3.6.0")
+    kwargs = eval(f"dict({args.kwargs})")  # a developer's command line, not user input
+    kernels = lower_kernels(args.tokens, kwargs)
+    warps, stages = kwargs.get("num_warps", 4), kwargs.get("num_stages", 3)
+    workdir = args.keep or tempfile.mkdtemp(prefix="moe_sass_")
+    os.makedirs(workdir, exist_ok=True)
+    print(f"T={args.tokens} {kwargs or 'defaults'}: sm_90, {warps} warps, {stages} stages; files in {workdir}")
+    for name, ttir in kernels.items():
+        print(compile_report(name, ttir, workdir, warps, stages))
+
+
+if __name__ == "__main__":
+    main()
