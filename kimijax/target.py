@@ -107,12 +107,19 @@ class KimiTarget:
     def on_mesh(self, mesh, layout: str | None = None, dispatch: str = "auto") -> "KimiTarget":
         """This target on a device mesh: params resharded by sharding.rules, routed experts through
         sharding.moe_ep (for loading straight onto a mesh use load_target(path, mesh=..., layout=...))."""
+        from pallas_kernels.moe_int4 import kernel_layout_ok
+        from sharding.mesh import mesh_sizes
         from sharding.moe_ep import make_expert_fn
         from sharding.rules import param_shardings
-        # via the checkpoint layout: the kernel layout's validity depends on the new mesh's tensor axis
-        params = convert_expert_layout(self.params, "checkpoint")
-        params = jax.device_put(params, param_shardings(self.cfg, mesh, layout))
-        layout_pref = "auto" if self.expert_layout == "kernel" else self.expert_layout
+        fits = kernel_layout_ok(self.cfg.hidden_size, self.cfg.moe_intermediate_size, mesh_sizes(mesh)["tensor"])
+        if self.expert_layout == "kernel" and fits:
+            # the kernel layout splits along F like the checkpoint layout does: reshard, no conversion
+            params = jax.device_put(self.params, param_shardings(abstract_params(self.cfg, "kernel"), mesh, layout))
+            layout_pref = "kernel"
+        else:  # via the checkpoint layout (the kernel layout does not fit this mesh's tensor axis, or is not used)
+            params = convert_expert_layout(self.params, "checkpoint")
+            params = jax.device_put(params, param_shardings(self.cfg, mesh, layout))
+            layout_pref = "auto" if self.expert_layout == "kernel" else self.expert_layout
         return dataclasses.replace(self, params=params, mesh=mesh, expert_fn=make_expert_fn(mesh, dispatch),
                                    expert_layout=layout_pref)
 

@@ -226,8 +226,9 @@ def _auto_splits(B: int, n_mblocks: int, L: int, bk: int, n_sm: int = 132, min_s
 def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float, kv_rank: int = 512, *,
                           block_m: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None, transposed: bool = False,
-                          value_splits: int = 1, interpret: bool = False, n_sm: int = 132):
-    """Pallas tree attention (see module docstring). Same contract as `tree_attention_ref`."""
+                          value_splits: int = 1, interpret: bool = False, n_sm: int = 132, min_split: int = 512):
+    """Pallas tree attention (see module docstring). Same contract as `tree_attention_ref`.  min_split: the
+    fewest keys per split when the splits along L are chosen automatically (num_splits=None)."""
     B, T, H, C = q_BTHC.shape
     L = cache_BLC.shape[1]
     K = kv_rank
@@ -238,7 +239,7 @@ def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: fl
     Mp = -(-M // bm) * bm
     n_mb = Mp // bm
     W = -(-T // 32)
-    S = num_splits or _auto_splits(B, n_mb * value_splits, L, bk, n_sm)
+    S = num_splits or _auto_splits(B, n_mb * value_splits, L, bk, n_sm, min_split)
     split = -(-(-(-L // S)) // bk) * bk  # ceil(L / S) rounded up to a multiple of bk
     S = -(-L // split)
     single = S == 1

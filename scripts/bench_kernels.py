@@ -218,6 +218,26 @@ ATT_CONFIGS = {  # the kernel's defaults; earlier sweeps (BENCHMARKS.md) measure
 }
 
 
+# --attn-crossover: kernel variants vs the XLA reference over decode/verify shapes (B, L, T), to choose per shape
+CROSS_CASES = [(1, 4096, 1), (1, 4096, 9), (1, 32768, 9), (8, 4096, 9), (32, 4096, 9), (128, 2048, 9),
+               (1, 32768, 1), (1, 4096, 17), (32, 4096, 1), (128, 4096, 1)]  # Engine-like shapes first
+CROSS_CONFIGS = {"default": dict(), "split128": dict(min_split=128), "vs2_split128": dict(value_splits=2, min_split=128)}
+if SMALL:
+    CROSS_CASES = [(1, 300, 1), (2, 200, 5)]
+
+
+def attn_crossover(roof, peak, budget):
+    out = RES.setdefault("attn_crossover", {})
+    for (B, L, T) in CROSS_CASES:
+        for j, (cname, cfg) in enumerate(CROSS_CONFIGS.items()):
+            if elapsed() > budget:
+                log(f"attn crossover: time budget reached before B={B} L={L} T={T} {cname}")
+                return
+            guarded(f"B{B}_L{L}_T{T}|{cname}", lambda: att_case(f"cross {cname} B={B} L={L} T={T}", B, L, T, roof,
+                                                                peak, cfg, reps=5, time_ref=(j == 0),
+                                                                check=(j == 0 or "vs2" in cname)), out)
+
+
 def random_trees(B, T, rng):
     out = np.zeros((B, T, T), bool)
     for b in range(B):
@@ -303,13 +323,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later optional parts are skipped")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--only", choices=["moe", "attn"], default=None)
+    ap.add_argument("--only", choices=["moe", "attn", "attn-crossover"], default=None)
     args = ap.parse_args()
     dev = jax.devices()[0]
     RES.update(date=time.strftime("%Y-%m-%d %H:%M:%S"), device=dev.device_kind, platform=dev.platform,
                jax=jax.__version__, argv=sys.argv)
     log(f"device {dev.device_kind}, jax {jax.__version__}")
     roof, peak = measure_roofs()
+    if args.only == "attn-crossover":
+        attn_crossover(roof, peak, args.budget)
+        RES["total_s"] = elapsed()
+        save()
+        print_crossover()
+        return
 
     if args.only in (None, "moe"):
         ckpt, kern = make_int4_experts()
@@ -377,6 +403,26 @@ def main():
     RES["total_s"] = elapsed()
     save()
     print_table(roof, peak)
+
+
+def print_crossover():
+    rows = {}
+    for key, r in RES.get("attn_crossover", {}).items():
+        shape, cname = key.split("|")
+        rows.setdefault(shape, {})[cname] = r
+    lines = [f"{'B_L_T':18s} {'xla us':>8s} " + " ".join(f"{c:>13s}" for c in CROSS_CONFIGS) + "  (kernel us; ! = check failed)"]
+    for shape, recs in rows.items():
+        xla = next((r["xla_us"] for r in recs.values() if "xla_us" in r), float("nan"))
+        cells = []
+        for c in CROSS_CONFIGS:
+            r = recs.get(c, {})
+            cells.append(f"{'ERR' if 'error' in r else ('%.1f' % r['kernel_us']) if 'kernel_us' in r else '-':>12s}"
+                         + ("!" if r.get("ok") is False else " "))
+        lines.append(f"{shape:18s} {xla:8.1f} " + " ".join(cells))
+    txt = "\n".join(lines)
+    with open(os.path.join(OUT, "attn_crossover.txt"), "w") as f:
+        f.write(txt + "\n")
+    print(txt, flush=True)
 
 
 def print_table(roof, peak):

@@ -243,6 +243,19 @@ def test_kernel_expert_layout_on_a_mesh(layout):
     assert mlp["gate_scale_t"].sharding.spec == want
     np.testing.assert_allclose(np.asarray(t.forward(tokens)), np.asarray(single.forward(tokens)),
                                atol=2e-4, rtol=1e-4)
+    # onto another mesh that fits the kernel layout: resharded as it is, no conversion
+    import kimijax.target as kt
+
+    def no_conversion(*a, **k):
+        raise AssertionError("on_mesh converted a kernel-layout target that the new mesh fits")
+    saved, kt.convert_expert_layout = kt.convert_expert_layout, no_conversion
+    try:
+        other = t.on_mesh(make_mesh("ep8" if layout != "ep8" else "tp2ep4"))
+    finally:
+        kt.convert_expert_layout = saved
+    assert other.expert_layout == "kernel" and "gate_planar" in other.params["layers_1"]["mlp"]
+    np.testing.assert_allclose(np.asarray(other.forward(tokens)), np.asarray(single.forward(tokens)),
+                               atol=2e-4, rtol=1e-4)
     # back through on_mesh (via the checkpoint layout) onto a mesh whose F shards are too small for it
     assert resolve_expert_layout(cfg, "interpret", make_mesh("tp4ep2")) == "checkpoint"  # 256 / 4 = 64 rows
     t4 = t.on_mesh(make_mesh("tp4ep2"), "tp4ep2")
