@@ -13,13 +13,15 @@ Implementations (`tree_attention(..., impl=...)`):
   "xla"        `tree_attention_ref`, the plain-XLA reference.
   "pallas"     the Pallas kernel below, Triton lowering (GPU).
   "interpret"  the same kernel with `interpret=True` (CPU tests).
-`default_impl()` is "pallas" on a GPU backend and "xla" elsewhere.
+  "auto"       the kernel or the reference per shape (`auto_uses_reference`, measured crossover).
+`default_impl()` is "auto" on a GPU backend and "xla" elsewhere.
 
 Kernel (split-K flash decoding, after jax.experimental.pallas.ops.gpu.decode_attention):
   * The T*H query rows of a request are folded into the M dimension of the dots (row r = t*H + h),
     so one program's [block_m, C] query tile meets every key block once; with H=64 and block_m=64 a
     program holds the 64 heads of one tree token.
-  * Grid (B, cdiv(T*H, block_m), S): program (b, m, s) walks keys [s*split, (s+1)*split) of request b,
+  * Grid (B, cdiv(T*H, block_m), S): program (b, m, s) walks keys [s*split, (s+1)*split) of request b
+    (S chosen to fill the SMs with >= 128 keys per split: measured 1.2-1.6x faster than >= 512 at B=1),
     clipped to lengths[b] + T, in blocks of block_k.  Scores are two dots (latent K and rope R columns
     of the cache row), values are the latent columns of the same loaded key tile (read once).
   * Blocks entirely below lengths[b] (committed prefix) run with no mask at all; only the blocks that
@@ -36,11 +38,12 @@ Kernel (split-K flash decoding, after jax.experimental.pallas.ops.gpu.decode_att
 Backend: the Triton lowering of Pallas (`pl.pallas_call` + `pltriton.CompilerParams`), testable with
 interpret=True on CPU; Mosaic GPU was not tried.  At Kimi width (H = 64, C = 576) this attention is
 compute-bound for T >= 2 (about 1088 FLOP per cache byte at T*H = 576 query rows), and the Triton kernel
-spills registers ([64, 512] f32 accumulator + q tile): it reaches 19-26 % of the bf16 matmul rate and is
-slower than the XLA reference (cuBLAS batched GEMMs) at most measured shapes, faster at (B=1, L=4k).
+spills registers ([64, 512] f32 accumulator + q tile): it reaches 19-26 % of the bf16 matmul rate; it is
+faster than the XLA reference (cuBLAS batched GEMMs) while B*T*L is small (decode at small batch), slower
+once the pass is compute-bound, hence "auto".
 Shapes: any B, T >= 1, H, L; K and R must be powers of two >= 16 for the GPU lowering (Kimi: 512, 64);
 the interpret mode accepts any K, R.  `lengths[b] + T <= L` is required (as for the reference).  There
-is no shape fallback: every (B, T, H, L) runs the kernel (block sizes are padded / masked).
+is no shape fallback in "pallas": every (B, T, H, L) runs the kernel (block sizes are padded / masked).
 """
 
 from __future__ import annotations
@@ -60,7 +63,22 @@ _LN2 = 0.6931471805599453
 
 
 def default_impl() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return "auto" if jax.default_backend() == "gpu" else "xla"
+
+
+# "auto" (the GPU default) picks per shape, from the H200 crossover run (BENCHMARKS.md, "MLA tree attention",
+# benchmarks/2026-12-03c_bench_kernels_attn_crossover.json; H = 64): the kernel wins while the work is small
+# (B*T*L <= 131k: 1.4-2.1x; at 295k within 3-11 % either way), the XLA reference (cuBLAS GEMMs) once the
+# pass is compute-bound (B=32 L=4k T=9: 780 vs 1215 us; B=128 L=2k T=9: 1441 vs 2068 us).  The threshold is
+# on B*T*H*L (proportional to the FLOPs; H other than 64 was not measured), and the reference only while
+# its f32 scores [B, T, H, L] stay under AUTO_MAX_SCORE_BYTES.
+AUTO_XLA_MIN_WORK = (1 << 18) * 64
+AUTO_MAX_SCORE_BYTES = 2 << 30
+
+
+def auto_uses_reference(B: int, T: int, H: int, L: int) -> bool:
+    """Whether "auto" runs the XLA reference for this shape (else the Pallas kernel)."""
+    return B * T * H * L >= AUTO_XLA_MIN_WORK and 4 * B * T * H * L <= AUTO_MAX_SCORE_BYTES
 
 
 def visibility_mask(lengths_B, tree_mask_BTT, L: int):
@@ -207,7 +225,7 @@ def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K
     pltriton.store(lse_ref, lse)
 
 
-def _auto_splits(B: int, n_mblocks: int, L: int, bk: int, n_sm: int = 132, min_split: int = 512) -> int:
+def _auto_splits(B: int, n_mblocks: int, L: int, bk: int, n_sm: int = 132, min_split: int = 128) -> int:
     """Splits along L so that B * n_mblocks * S programs fill whole waves of the SMs (>= 90 %)."""
     base = B * n_mblocks
     max_s = max(1, L // min_split)
@@ -226,7 +244,7 @@ def _auto_splits(B: int, n_mblocks: int, L: int, bk: int, n_sm: int = 132, min_s
 def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float, kv_rank: int = 512, *,
                           block_m: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None, transposed: bool = False,
-                          value_splits: int = 1, interpret: bool = False, n_sm: int = 132, min_split: int = 512):
+                          value_splits: int = 1, interpret: bool = False, n_sm: int = 132, min_split: int = 128):
     """Pallas tree attention (see module docstring). Same contract as `tree_attention_ref`.  min_split: the
     fewest keys per split when the splits along L are chosen automatically (num_splits=None)."""
     B, T, H, C = q_BTHC.shape
@@ -296,7 +314,11 @@ def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: fl
 
 
 def tree_attention(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float, kv_rank: int = 512, *, impl: str = "xla"):
-    """Dispatch point used by the model: impl "xla" (reference), "pallas" (GPU kernel) or "interpret"."""
+    """Dispatch point used by the model: impl "xla" (reference), "pallas" (GPU kernel), "auto" (either, per
+    shape: `auto_uses_reference`) or "interpret"."""
+    if impl == "auto":
+        B, T, H, _ = q_BTHC.shape
+        impl = "xla" if auto_uses_reference(B, T, H, cache_BLC.shape[1]) else "pallas"
     if impl == "xla":
         return tree_attention_ref(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale, kv_rank)
     if impl == "pallas":

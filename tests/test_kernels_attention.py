@@ -74,6 +74,28 @@ def test_default_impl_is_xla_on_cpu():
     assert ta.default_impl() == "xla"
 
 
+def test_auto_picks_per_measured_shape(monkeypatch):
+    # the H200 crossover (BENCHMARKS.md): kernel at small B*T*L, reference once compute-bound, kernel again
+    # when the reference's f32 scores would pass 2 GiB
+    H = 64
+    for B, L, T in ((1, 4096, 1), (1, 4096, 9), (1, 4096, 17), (1, 32768, 1), (32, 4096, 1)):
+        assert not ta.auto_uses_reference(B, T, H, L), (B, L, T)
+    for B, L, T in ((1, 32768, 9), (32, 4096, 9), (128, 2048, 9), (1, 131072, 17)):
+        assert ta.auto_uses_reference(B, T, H, L), (B, L, T)
+    assert not ta.auto_uses_reference(128, 17, H, 32768)  # 18 GB of scores
+    # the dispatch: the reference where it picks it, bit for bit; else the kernel
+    rng = np.random.default_rng(_seed())
+    q = jnp.asarray(rng.normal(size=(1, 9, 2, 48)), jnp.float32)
+    cache = jnp.asarray(rng.normal(size=(1, 300, 48)), jnp.float32)
+    args = (q, cache, jnp.array([100], jnp.int32), jnp.tril(jnp.ones((1, 9, 9), bool)), 0.3, 32)
+    monkeypatch.setattr(ta, "AUTO_XLA_MIN_WORK", 1)
+    np.testing.assert_array_equal(np.asarray(ta.tree_attention(*args, impl="auto")[0]),
+                                  np.asarray(ta.tree_attention_ref(*args)[0]))
+    monkeypatch.setattr(ta, "AUTO_MAX_SCORE_BYTES", 0)
+    monkeypatch.setattr(ta, "tree_attention_pallas", lambda *a, **k: "kernel")
+    assert ta.tree_attention(*args, impl="auto") == "kernel"
+
+
 def test_single_split_odd_sizes():
     # T*H = 20 (block_m 32 -> padded rows), L = 101 (not a multiple of block_k 32)
     _check(_seed(), B=3, L=101, T=5, H=4)
