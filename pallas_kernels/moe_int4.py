@@ -25,10 +25,10 @@ Words are tiled (`_tile`): each [64, 16] (gate/up) or [128, 16] (down) tile of o
 of rows is contiguous, so a loop iteration reads one 4-8 KB piece.  Byte counts are unchanged (the scales'
 and tiles' shapes are not).  Both the reference and the kernel accept either layout; handing the
 checkpoint layout to the kernel re-lays the whole layer out on every call (correct but slow: 36.5 ms vs
-0.285 ms per Kimi layer at T=1 on the H200, with the previous kernel).  So the target stores the kernel layout: `KimiTarget` converts
-the checkpoint-layout experts once when it is built with the kernel (`kimijax/target.py`,
-`convert_expert_layout`, one jitted `relayout_for_kernel` per layer, sharding-aware), and the savers convert
-back with `relayout_to_checkpoint`.  The layout needs D and F (per tensor-parallel shard) divisible by 128.
+0.285 ms per Kimi layer at T=1 on the H200, with the previous kernel).  So the target stores the kernel
+layout: `KimiTarget` converts the checkpoint-layout experts once when it is built with the kernel
+(`kimijax/target.py`, `convert_expert_layout`, one jitted `relayout_for_kernel` per layer, sharding-aware),
+and the savers convert back with `relayout_to_checkpoint`.  The layout needs D and F (per tensor-parallel shard) divisible by 128.
 
 Implementations (`moe(..., impl=...)`): "xla" (`moe_ref`), "pallas" (Triton-lowered Pallas kernels, GPU),
 "interpret" (the same kernels with interpret=True, for CPU tests).  `default_impl()`: "pallas" on GPU.
@@ -55,9 +55,10 @@ Shape limits of the kernel: INT4 and bf16 need D and F divisible by 128, and blo
 F / D (defaults 64 / 128, halved until they divide).  Other shapes fall back to `moe_ref` (explicitly, in
 `moe`).  Backend: the Triton lowering of Pallas (`pl.pallas_call` + `pltriton.CompilerParams`): it runs
 under interpret=True on CPU for the tests; Mosaic GPU was not tried (no device time for a second backend).
-Measured on an H200 (BENCHMARKS.md, "Kernels"): bf16 weights stream at 3.3-3.4 TB/s from T = 9 up; INT4
-reaches 1.05-1.8 TB/s (27-45 % of a 3.96 TB/s read roof): not bandwidth-bound; the unpack + scale ALU work
-(~4 bf16x2 ops per plane and word) and one MMA wait per plane pair remain per loop iteration.
+Measured on an H200 (BENCHMARKS.md, "Kernels"): bf16 weights stream at 3.4-3.75 TB/s from T = 9 up; INT4
+reaches 0.96 TB/s at T = 1 and 1.9-2.06 TB/s from T = 9 up (28 % and 56-60 % of a 3.43 TB/s read roof): not
+bandwidth-bound; the unpack + scale ALU work (4 ops per plane and word) and one MMA wait per plane pair
+remain in every loop iteration.
 """
 
 from __future__ import annotations
@@ -536,7 +537,7 @@ def _down_kernel(*refs, dense, quant, T, K, Kp, D, F, BD, SPS, f32_dots, use_asm
                         wd = d_ref[e, pl.ds(_tile_row(d0, sa, D // TILE_DN, TILE_DN, sb_major=True), BD), :]
                         for i in range(4):
                             f = sa * SB + i * 32 + lax.broadcasted_iota(jnp.int32, (32, NB), 0)
-                            hp = h_ref[jnp.broadcast_to(cols[None, :], (32, NB)), f]  # [32, NB] bf16, contiguous along F
+                            hp = h_ref[jnp.broadcast_to(cols[None, :], (32, NB)), f]  # [32, NB], F-contiguous
                             if i % 2 == 0:
                                 sd = ds_ref[e, sa * 2 + i // 2, pl.ds(d0, BD)]
                             acc = _mma(acc, _plane(wd, i, use_asm, _scale_word(sd, i)), hp, use_asm)
