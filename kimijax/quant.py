@@ -8,7 +8,7 @@ Checkpoint layout, kept as-is in device memory (the XLA reference and the Pallas
 Dequantize: W[r, c] = bf16(q[r, c]) * scale[r, c // 32], multiplied in bf16 as compressed-tensors does.
 
 Experts of one layer are stacked on a leading E axis: packed [E, out, in/8], scale [E, out, in/32].
-The Pallas kernel (pallas_kernels/moe_int4.py) documents any re-layout it applies at load time.
+The Pallas kernel's load-time re-layout (words tiled for it, scales paired) is pallas_kernels/moe_layout.py.
 """
 
 from __future__ import annotations

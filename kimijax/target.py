@@ -107,7 +107,7 @@ class KimiTarget:
     def on_mesh(self, mesh, layout: str | None = None, dispatch: str = "auto") -> "KimiTarget":
         """This target on a device mesh: params resharded by sharding.rules, routed experts through
         sharding.moe_ep (for loading straight onto a mesh use load_target(path, mesh=..., layout=...))."""
-        from pallas_kernels.moe_int4 import kernel_layout_ok
+        from pallas_kernels.moe_layout import kernel_layout_ok
         from sharding.mesh import mesh_sizes
         from sharding.moe_ep import make_expert_fn
         from sharding.rules import param_shardings
@@ -178,7 +178,7 @@ def expert_ids(state, cfg: KimiConfig):
     return jnp.stack(ids) if ids else jnp.zeros((0,), jnp.int32)
 
 
-from pallas_kernels.moe_int4 import _CKPT_KEYS, _PLANAR_KEYS  # noqa: E402 (the expert dict keys of each layout)
+from pallas_kernels.moe_layout import _CKPT_KEYS, _PLANAR_KEYS  # noqa: E402 (the expert dict keys of each layout)
 
 EXPERT_KEYS = {"checkpoint": _CKPT_KEYS, "kernel": _PLANAR_KEYS}
 
@@ -187,7 +187,7 @@ def resolve_expert_layout(cfg: KimiConfig, moe_impl: str, mesh=None, want: str =
     """The routed-expert layout a target keeps: "kernel" when the Pallas MoE runs and D and F (per tensor
     shard) are multiples of its 128-input superblock, else "checkpoint". An explicit "kernel" the shapes or
     weights do not allow raises ValueError."""
-    from pallas_kernels.moe_int4 import kernel_layout_ok
+    from pallas_kernels.moe_layout import kernel_layout_ok
 
     if want not in ("auto", "checkpoint", "kernel"):
         raise ValueError(f"unknown expert layout {want!r}: choose auto, checkpoint or kernel")
@@ -228,7 +228,7 @@ def convert_expert_layout(params, layout: str, mesh=None, donate: bool = False, 
     converted arrays get the shardings of the new layout's logical axes (the transposed scales swap theirs)."""
     import warnings
 
-    from pallas_kernels.moe_int4 import relayout_for_kernel, relayout_to_checkpoint
+    from pallas_kernels.moe_layout import relayout_for_kernel, relayout_to_checkpoint
 
     if layout not in EXPERT_KEYS:
         raise ValueError(f"unknown expert layout {layout!r}: choose checkpoint or kernel")

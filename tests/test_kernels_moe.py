@@ -20,6 +20,7 @@ import pytest
 
 from kimijax.quant import quantize_int4_np
 from pallas_kernels import moe_int4 as mi
+from pallas_kernels import moe_layout as ml
 
 _SEEDS = np.random.SeedSequence()
 
@@ -171,12 +172,12 @@ def test_relayout_roundtrip_and_reference_on_both_layouts():
     rng = np.random.default_rng(_seed())
     ex = _experts(rng, 3, 256, 512)
     ex_k = mi.relayout_for_kernel(ex)
-    assert set(ex_k) == set(mi._PLANAR_KEYS)
+    assert set(ex_k) == set(ml._PLANAR_KEYS)
     for name in ("gate", "up", "down"):
         E, out, w8 = ex[f"{name}_packed"].shape
         assert ex_k[f"{name}_planar"].shape == (E, out * w8 // 16, 16)
-    back = mi.relayout_to_checkpoint(ex_k)
-    for k in mi._CKPT_KEYS:
+    back = ml.relayout_to_checkpoint(ex_k)
+    for k in ml._CKPT_KEYS:
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(ex[k]))
     # kernel layout: nibble 4 b + i of word m of superblock s is input 128 s + 32 i + 2 m + b, and the
     # [rows, 16] words of (row block, superblock) are contiguous: gate/up 64-row blocks block-major,
@@ -226,7 +227,7 @@ def test_target_converts_experts_once_and_computes_the_same(tmp_path):
     kern = KimiTarget(cfg, p, moe_impl="interpret")  # the kernel -> kernel layout, converted at construction
     assert kern.expert_layout == "kernel" and params_expert_layout(kern.params) == "kernel"
     mlp = kern.params["layers_1"]["mlp"]
-    assert set(mlp) >= set(mi._PLANAR_KEYS) and "gate_packed" not in mlp
+    assert set(mlp) >= set(ml._PLANAR_KEYS) and "gate_packed" not in mlp
     assert mlp["gate_scale_t"].shape == (cfg.n_routed_experts, cfg.hidden_size // 64, cfg.moe_intermediate_size)
     assert mlp["gate_scale_t"].dtype == jnp.int32  # paired bf16 scale words
     assert kern.params["layers_0"] is p["layers_0"]  # non-expert leaves are shared, not copied
