@@ -136,6 +136,23 @@ def _dot(a, b, dn, f32_operands: bool):
     return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
 
 
+def visible_tile(keys, length, T: int, words, tile, col, row):
+    """bool tile: which of a block's keys (absolute slots `keys` [bk]) each query row may see, from the
+    committed length and the rows' bit-packed tree-mask words (W x [bm], `pack_tree_mask`). col/row
+    broadcast a key vector / a query-row vector to the tile's layout."""
+    rel = keys - length
+    in_prefix = rel < 0
+    in_tree = (rel >= 0) & (rel < T)
+    relc = jnp.clip(rel, 0, len(words) * 32 - 1)
+    wsel = relc // 32
+    bit = relc % 32
+    word = jnp.zeros(tile, jnp.int32)
+    for w, wd in enumerate(words):
+        word = jnp.where(col(wsel == w), row(wd), word)
+    tree_vis = ((word >> col(bit)) & 1) != 0
+    return col(in_prefix) | (col(in_tree) & tree_vis)
+
+
 def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K, R, L, W, bm, bk, split,
                  scale_log2, f32_dots, transposed, VS):
     """One program: request b, query rows [mi*bm, (mi+1)*bm), keys [s*split, (s+1)*split) clipped to the
@@ -188,18 +205,7 @@ def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K
             sc = _dot(q_lat, k_lat, c11, f32_dots) + _dot(q_pe, k_pe, c11, f32_dots)
         sc = sc * scale_log2
         if masked:
-            rel = keys - length
-            in_prefix = rel < 0
-            in_tree = (rel >= 0) & (rel < T)
-            relc = jnp.clip(rel, 0, W * 32 - 1)
-            wsel = relc // 32
-            bit = relc % 32
-            word = jnp.zeros(tile, jnp.int32)
-            for w in range(W):
-                word = jnp.where(col(wsel == w), row(words[w]), word)
-            tree_vis = ((word >> col(bit)) & 1) != 0
-            vis = col(in_prefix) | (col(in_tree) & tree_vis)
-            sc = jnp.where(vis, sc, -jnp.inf)
+            sc = jnp.where(visible_tile(keys, length, T, words, tile, col, row), sc, -jnp.inf)
         m_new = jnp.maximum(m_prev, jnp.max(sc, axis=ka))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m_prev - m_use)

@@ -85,12 +85,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_slice import kimi_bytes, uniform_distinct  # noqa: E402  (imports jax, does not start a backend)
+from timing import op_names, profile_events  # noqa: E402,F401  (op_names: re-exported for the tests)
 
 CMD_BUFFER_FLAGS = {"default": "", "off": "--xla_gpu_enable_command_buffer=",
                     "while_cond": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
@@ -323,20 +323,7 @@ def loop_ms(step, state, min_s: float = 0.3, max_n: int = 20, warm: int = 2) -> 
 
 
 # ---------------------------------------------------------------- profile attribution
-_OPNAME_META = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*?op_name="([^"]*)"')
 _LAYER = re.compile(r"/layer_(\d+)/")
-
-
-def op_names(hlo_text: str) -> dict:
-    """HLO instruction name -> its op_name metadata (the jax named-scope path); also under the kernel-name
-    spelling ('.' and '-' -> '_'), since XLA:GPU names a fusion's kernel after the fusion."""
-    out = {}
-    for line in hlo_text.splitlines():
-        m = _OPNAME_META.match(line)
-        if m:
-            out[m.group(1)] = m.group(2)
-            out.setdefault(m.group(1).replace(".", "_").replace("-", "_"), m.group(2))
-    return out
 
 
 def scope_category(op_name: str) -> tuple[str, int | None]:
@@ -366,39 +353,10 @@ def scope_category(op_name: str) -> tuple[str, int | None]:
 def profile_call(call, hlo_text: str, module_hint: str = "chunk") -> dict:
     """Run `call()` under jax.profiler and attribute its kernels (device planes; host thunks on CPU) to
     categories through their HLO op names. -> ms and kernel counts per category and per layer."""
-    import glob
-    import shutil
     import jax
-    from jax.profiler import ProfileData
 
     names = op_names(hlo_text)
-    d = tempfile.mkdtemp(prefix="bench_kimi_prof_")
-    try:
-        jax.profiler.start_trace(d)
-        try:
-            call()
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            raise RuntimeError("the profiler wrote no xplane.pb")
-        pdata = ProfileData.from_file(files[0])
-        warnings.filterwarnings("ignore", message=".*event_stats.*", category=DeprecationWarning)
-        dev, host = [], []
-        for plane in pdata.planes:
-            is_dev = plane.name.startswith("/device:")
-            lines = list(plane.lines)
-            if is_dev:  # kernel and memcpy activity lives on the stream lines; skip derived summary lines
-                lines = [l for l in lines if l.name.lower().startswith("stream")] or lines
-            for line in lines:
-                for ev in line.events:
-                    st = dict(ev.stats)
-                    op = st.get("hlo_op") or (ev.name if is_dev else None)
-                    if op:
-                        (dev if is_dev else host).append((str(op), str(st.get("hlo_module", "")),
-                                                          float(ev.duration_ns), ev.name))
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    dev, host = profile_events(call)
     if not dev and jax.default_backend() == "gpu":
         raise RuntimeError("the profile has no device kernel events (CUPTI unavailable?)")
     evs = dev or host

@@ -24,36 +24,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg  # noqa: E402
 
 from pallas_kernels import moe_int4 as mi  # noqa: E402
+from pallas_kernels.gpu_lowering import triton_ir  # noqa: E402
 
 E, F, D, K = 384, 2048, 7168, 8  # Kimi K2.6 routed experts
 
 
 def lower_kernels(T: int, kwargs: dict) -> dict[str, str]:
     """-> {pallas_call name: Triton IR text} of moe_pallas at T tokens (kernel layout, full width)."""
-    captured, lower, info = {}, reg.lowering.lower_jaxpr_to_triton_module, reg.gpu_info_lib.get_gpu_info
-    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
-
-    def capture(jaxpr, *a, **k):
-        res = lower(jaxpr, *a, **k)
-        captured[jaxpr.debug_info.func_name] = res.module.operation.get_asm()
-        return res
-
-    reg.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        S = jax.ShapeDtypeStruct
-        words = S((E, F * D // 128, 16), jnp.int32)
-        experts = {"gate_planar": words, "up_planar": words, "down_planar": words,
-                   "gate_scale_t": S((E, D // 64, F), jnp.int32), "up_scale_t": S((E, D // 64, F), jnp.int32),
-                   "down_scale_t": S((E, F // 64, D), jnp.int32)}
-        f = jax.jit(functools.partial(mi.moe_pallas, **kwargs))
-        f.trace(S((T, D), jnp.bfloat16), S((T, K), jnp.int32), S((T, K), jnp.float32),
-                experts).lower(lowering_platforms=("cuda",))
-    finally:
-        reg.lowering.lower_jaxpr_to_triton_module, reg.gpu_info_lib.get_gpu_info = lower, info
-    return captured
+    S = jax.ShapeDtypeStruct
+    words = S((E, F * D // 128, 16), jnp.int32)
+    experts = {"gate_planar": words, "up_planar": words, "down_planar": words,
+               "gate_scale_t": S((E, D // 64, F), jnp.int32), "up_scale_t": S((E, D // 64, F), jnp.int32),
+               "down_scale_t": S((E, F // 64, D), jnp.int32)}
+    return triton_ir(functools.partial(mi.moe_pallas, **kwargs), S((T, D), jnp.bfloat16), S((T, K), jnp.int32),
+                     S((T, K), jnp.float32), experts)
 
 
 def compile_report(name: str, ttir: str, workdir: str, num_warps: int, num_stages: int) -> str:

@@ -1,9 +1,16 @@
 """Shared timing helpers for the benchmark scripts (GPU runs): median wall time of jitted calls and the
-per-stage split of one speculative round (draft, tree, verify, accept+commit)."""
+per-stage split of one speculative round (draft, tree, verify, accept+commit); kernel events from
+jax.profiler and the HLO op names (named-scope paths) that attribute them."""
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+import shutil
+import tempfile
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,3 +50,55 @@ def round_split(engine, prompts, round_s: float, reps: int = 20) -> dict:
     # underestimates accept+commit and can go negative; it is reported as measured, not clipped.
     out["accept_commit_ms"] = round_s * 1e3 - out["draft_ms"] - out["tree_ms"] - out["verify_ms"]
     return out
+
+
+# ---------------------------------------------------------------- profiler events -> named scopes
+_OPNAME_META = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*?op_name="([^"]*)"')
+
+
+def op_names(hlo_text: str) -> dict:
+    """HLO instruction name -> its op_name metadata (the jax named-scope path); also under the kernel-name
+    spelling ('.' and '-' -> '_'), since XLA:GPU names a fusion's kernel after the fusion."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _OPNAME_META.match(line)
+        if m:
+            out[m.group(1)] = m.group(2)
+            out.setdefault(m.group(1).replace(".", "_").replace("-", "_"), m.group(2))
+    return out
+
+
+def profile_events(call):
+    """Run `call()` under jax.profiler. -> (device events, host events), each a list of
+    (hlo op, hlo module, duration ns, event name). Device events are the stream lines' kernels and copies
+    (a command buffer that XLA kept shows up as one event without an HLO op); host events are XLA:CPU's thunks."""
+    from jax.profiler import ProfileData
+
+    d = tempfile.mkdtemp(prefix="kimijax_prof_")
+    dev, host = [], []
+    try:
+        jax.profiler.start_trace(d)
+        try:
+            call()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError("the profiler wrote no xplane.pb")
+        pdata = ProfileData.from_file(files[0])
+        warnings.filterwarnings("ignore", message=".*event_stats.*", category=DeprecationWarning)
+        for plane in pdata.planes:
+            is_dev = plane.name.startswith("/device:")
+            lines = list(plane.lines)
+            if is_dev:  # kernel and memcpy activity lives on the stream lines; skip derived summary lines
+                lines = [l for l in lines if l.name.lower().startswith("stream")] or lines
+            for line in lines:
+                for ev in line.events:
+                    st = dict(ev.stats)
+                    op = st.get("hlo_op") or (ev.name if is_dev else None)
+                    if op:
+                        (dev if is_dev else host).append((str(op), str(st.get("hlo_module", "")),
+                                                          float(ev.duration_ns), ev.name))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return dev, host

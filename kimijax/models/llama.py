@@ -28,6 +28,7 @@ from kimijax.config import ConfigError
 from kimijax.models.common import (MLP, RMSNorm, apply_rope_half, causal_rows, causal_tree_mask, in_query_chunks,
                                    param, rope_cos_sin)
 from kimijax.target import gather_rows
+from pallas_kernels.gqa_attention import gqa_tree_attention
 from pallas_kernels.tree_attention import visibility_mask
 
 _DTYPES = ("bfloat16", "float32", "float16")
@@ -123,6 +124,7 @@ def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float, precision=None
 class LlamaAttention(nn.Module):
     cfg: LlamaConfig
     dtype: Any
+    attn_impl: str = "xla"  # decode / verify attention over the cache: "xla", "pallas" or "interpret"
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache=None, lengths_B=None, tree_mask_BTT=None, *,
@@ -148,8 +150,14 @@ class LlamaAttention(nn.Module):
             if from_cache:  # the committed prefix plus this pass's rows, as written above
                 if tree_mask_BTT is None:
                     tree_mask_BTT = causal_tree_mask(B, T)
-                mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
-                o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5, pr)
+                if self.attn_impl == "xla":
+                    mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
+                    o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5, pr)
+                else:  # one kernel reading the cache in place; query rows grouped per kv head
+                    g = H // KV
+                    q_BkMe = q.reshape(B, T, KV, g, E).transpose(0, 2, 1, 3, 4).reshape(B, KV, T * g, E)
+                    o = gqa_tree_attention(q_BkMe, cache, lengths_B, tree_mask_BTT, E ** -0.5, impl=self.attn_impl)
+                    o = o.reshape(B, KV, T, g, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
             else:  # this pass's own tokens only (full forward, prefill from an empty cache)
                 dc = dt if cache is None else cache.dtype
                 o = gqa_attention(q, k.astype(dc), v.astype(dc), tree_mask_BTT, E ** -0.5, pr)
@@ -159,12 +167,13 @@ class LlamaAttention(nn.Module):
 class LlamaLayer(nn.Module):
     cfg: LlamaConfig
     dtype: Any
+    attn_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, from_cache):
         c = self.cfg
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_layernorm")(x_BTD)
-        a, cache = LlamaAttention(c, self.dtype, name="self_attn")(h, positions_BT, cache, lengths_B, tree_mask_BTT,
+        a, cache = LlamaAttention(c, self.dtype, self.attn_impl, name="self_attn")(h, positions_BT, cache, lengths_B, tree_mask_BTT,
                                                                   from_cache=from_cache)
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
@@ -177,6 +186,7 @@ class Llama(nn.Module):
     """Param tree: embed_tokens [V, D], layers_{i}/{input_layernorm, self_attn/{q,k,v,o}_proj,
     post_attention_layernorm, mlp/{gate,up,down}_proj}, norm, and lm_head [V, D] when untied."""
     cfg: LlamaConfig
+    attn_impl: str = "xla"
 
     @property
     def dtype(self):
@@ -186,7 +196,7 @@ class Llama(nn.Module):
         c = self.cfg
         self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                                   self.dtype, init="normal")
-        self.layers = [LlamaLayer(c, self.dtype, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+        self.layers = [LlamaLayer(c, self.dtype, self.attn_impl, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
         if not c.tie_word_embeddings:
             self.lm_head = param(self, "lm_head", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
@@ -233,9 +243,13 @@ class LlamaTarget:
     name: str = "llama"
     random_weights: bool = False
     source: str = ""
+    attn_impl: str | None = None  # None: the kernel on GPU, the XLA reference elsewhere (KIMIJAX_KERNELS overrides)
 
     def __post_init__(self):
-        self.module = Llama(self.cfg)
+        if self.attn_impl is None:
+            from kimijax.loading import default_kernel_impl
+            self.attn_impl = default_kernel_impl("gqa_attention")
+        self.module = Llama(self.cfg, self.attn_impl)
         self._forward = jax.jit(self._forward_fn)
 
     # ---- facts the engine needs
@@ -339,10 +353,11 @@ def random_llama_params(cfg: LlamaConfig, seed: int = 0):
     return jax.tree_util.tree_map_with_path(draw, meta.unbox(abstract_llama_params(cfg)))
 
 
-def random_llama_target(cfg: LlamaConfig = TINY_LLAMA, seed: int = 0, tokenizer=None) -> LlamaTarget:
+def random_llama_target(cfg: LlamaConfig = TINY_LLAMA, seed: int = 0, tokenizer=None,
+                        attn_impl: str | None = None) -> LlamaTarget:
     """A LlamaTarget with random weights (tests with tiny configs, benchmarks at real shapes)."""
     return LlamaTarget(cfg, random_llama_params(cfg, seed), tokenizer=tokenizer, name="llama-random",
-                       random_weights=True, source="random")
+                       random_weights=True, source="random", attn_impl=attn_impl)
 
 
 __all__ = ["LlamaConfig", "Llama", "LlamaTarget", "SMOLLM2_135M", "TINY_LLAMA", "gqa_attention", "write_kv",
