@@ -22,13 +22,15 @@ rows once and walks keys [s*split, (s+1)*split) clipped to lengths[b] + T in blo
 the key and value rows of kv head h straight from the cache (strided; no copy). Online softmax in base 2;
 blocks inside the committed prefix skip the mask, the blocks that overlap the tree rows read the
 bit-packed tree mask (`tree_attention.pack_tree_mask`). S = 1 writes the normalised output; S > 1 writes f32
-partials + LSE merged by an XLA log-sum-exp combine. S = ceil(L / 128) by default: on the H200 (SmolLM2 shapes,
-L = 1024, through the Engine) 128 keys per split beat 256 by 0.20 ms per AR step and one split by 0.36 ms
-(the few programs of one split leave the GPU idle; BENCHMARKS.md, "SmolLM2 ... decode attention kernel"). Dots take the operands' precision: f32 models run
+partials + LSE merged by an XLA log-sum-exp combine. Splits (`default_splits`): at least 64 keys each, about
+two programs per SM in all. On the H200 at SmolLM2 shapes (B = 1, L = 640) 64 keys per split took 13.2 / 17.4 us
+per call (T = 1 / 17) against 20.7 / 21.0 at 128, 31.3 / 29.8 at 256 and 36.0 / 42.0 with one split (the few
+programs of one split leave the GPU idle); the XLA reference 21.5 / 28.0 (BENCHMARKS.md, "Decode attention
+kernel"). Dots take the operands' precision: f32 models run
 IEEE f32 dots (`precision=HIGHEST`, as the XLA reference), so a tree-verify pass and an AR step agree as
-closely as the reference makes them (f32_algo="tf32x3", three TF32 tensor-core products, was 0.09 ms per AR
-step faster at 256 keys per split, but is not bit-for-bit the reference's arithmetic, so it is an option, not the
-default). A row that sees no key gets 0 (the reference gives NaN).
+closely as the reference makes them (f32_algo="tf32x3", three TF32 tensor-core products, took 17.9 / 17.1 us
+at 128 keys per split against IEEE's 20.7 / 21.0, but is not the reference's arithmetic, so it is an option, not
+the default). A row that sees no key gets 0 (the reference gives NaN).
 Shapes: any B, T >= 1, KV, g, L; e must be a power of two >= 16 for the GPU lowering (SmolLM2: 64).
 """
 
@@ -145,12 +147,21 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def default_splits(programs: int, L: int, keys_per_split: int = 64, target_programs: int = 264) -> int:
+    """Splits along L for a grid of `programs` (b, kv, row block) programs: enough for about target_programs
+    programs in all (two per H200 SM), never fewer than keys_per_split keys per split. At small batch this
+    is ceil(L / keys_per_split); at large batch the grid is already full and the combine (f32 partials of
+    every split) would cost memory for nothing, so it drops to 1."""
+    return max(1, min(-(-L // keys_per_split), -(-target_programs // max(programs, 1))))
+
+
 def gqa_tree_attention_pallas(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, scale: float, *,
                               block_m: int | None = None, block_k: int | None = None, num_splits: int | None = None,
-                              keys_per_split: int = 128, num_warps: int = 4, num_stages: int = 2,
+                              keys_per_split: int = 64, target_programs: int = 264, num_warps: int = 4, num_stages: int = 2,
                               f32_algo: str = "ieee", interpret: bool = False):
     """Pallas GQA tree attention (module docstring); same contract as `gqa_tree_attention_ref`.
-    Splits along L: num_splits, else ceil(L / keys_per_split). Default blocks: f32 16 query rows x 64 keys
+    Splits along L: num_splits, else `default_splits` (at least keys_per_split keys each, about
+    target_programs programs in all). Default blocks: f32 16 query rows x 64 keys
     (IEEE f32 dots run on the FMA units; at 32+ rows Triton spills or needs 255 registers, scripts/moe_sass.py
     style check), 16-bit up to 64 rows x 32 keys (tensor cores)."""
     B, KV, M, E = q_BkMe.shape
@@ -164,7 +175,7 @@ def gqa_tree_attention_pallas(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, sca
     bk = block_k or (64 if f32 else 32)
     n_mb = -(-M // bm)
     W = -(-T // 32)
-    S = num_splits or max(1, -(-L // keys_per_split))
+    S = num_splits or default_splits(B * KV * n_mb, L, keys_per_split, target_programs)
     split = -(-(-(-L // S)) // bk) * bk  # ceil(L / S) rounded up to a multiple of bk
     S = -(-L // split)
     single = S == 1
@@ -259,9 +270,8 @@ def _main():  # pragma: no cover - manual check / timing on the GPU
         ref = functools.partial(gqa_tree_attention_ref, scale=scale, precision=lax.Precision.HIGHEST)
         r = jax.jit(ref)(*args)
         variants = {"default": {}, "1 split": dict(num_splits=1), "128 keys/split": dict(keys_per_split=128),
-                    "bk 32": dict(block_k=32), "tf32x3": dict(f32_algo="tf32x3"),
-                    "tf32x3 1 split": dict(f32_algo="tf32x3", num_splits=1),
-                    "tf32x3 bm64 bk32": dict(f32_algo="tf32x3", block_m=64, block_k=32)}
+                    "256 keys/split": dict(keys_per_split=256), "bk 32": dict(block_k=32),
+                    "tf32x3": dict(f32_algo="tf32x3")}
         print(f"T={T}: XLA reference {per_call_us(ref, args) if on_gpu else float('nan'):.1f}")
         for name, kw in variants.items():
             f = functools.partial(gqa_tree_attention_pallas, scale=scale, interpret=not on_gpu, **kw)

@@ -103,3 +103,11 @@ def test_lowers_for_the_gpu(dtype):
         ir = triton_ir(functools.partial(ga.gqa_tree_attention_pallas, scale=0.125), S((1, 3, T * 3, 64), dtype),
                        S((1, L, 2, 3, 64), dtype), S((1,), jnp.int32), S((1, T, T), jnp.bool_))
         assert list(ir) == ["gqa_tree_attention"] and ir["gqa_tree_attention"].count("tt.dot") == 4
+
+
+def test_default_splits():
+    assert ga.default_splits(3, 640) == 10  # B=1 AR step at SmolLM2 shape: 64 keys per split
+    assert ga.default_splits(12, 640) == 10  # 17-node verify (4 row blocks)
+    assert ga.default_splits(96, 1024) == 3  # B=32: the grid is nearly full already
+    assert ga.default_splits(128 * 3 * 4, 8192) == 1  # B=128 verify: no combine
+    assert ga.default_splits(3, 40) == 1

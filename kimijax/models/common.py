@@ -151,11 +151,15 @@ def apply_rope_interleaved(x, cos, sin):
 
 
 def apply_rope_half(x, cos, sin):
-    """NeoX layout: dim j pairs with dim j + R/2 (Llama, Qwen3/DFlash drafters)."""
+    """NeoX layout: dim j pairs with dim j + R/2 (Llama, Qwen3/DFlash drafters): (a, b) -> (a cos - b sin,
+    b cos + a sin). Written as x * cos + swap(x) * (-sin, sin) over a [2, R/2] view (the same products and sums,
+    exactly) because a concatenate of the two halves becomes its own kernel on the GPU, once per layer."""
     x32 = x.astype(jnp.float32)
     h = x.shape[-1] // 2
-    a, b = x32[..., :h], x32[..., h:]
-    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+    x2 = x32.reshape(*x.shape[:-1], 2, h)
+    sin2 = jnp.stack([-sin, sin], axis=-2)  # [..., 2, h]: built once per pass from the positions
+    out = x2 * cos[..., None, :] + x2[..., ::-1, :] * sin2
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def causal_tree_mask(B: int, T: int):

@@ -136,11 +136,19 @@ class LlamaAttention(nn.Module):
         w_v = param(self, "v_proj", (KV, E, D), ("kv_heads", "head_dim", "embed"), dt)
         w_o = param(self, "o_proj", (D, H, E), ("embed", "heads", "head_dim"), dt, fan_in=H * E)
         B, T, _ = x_BTD.shape
+        g = H // KV
         pr = matmul_precision(dt)
+        # The attention kernel takes the queries grouped per kv head, [B, KV, T*g, e]: projected straight into
+        # that layout (and the output projected straight from it) instead of transposing on each side.
+        kernel = from_cache and self.attn_impl != "xla"
         with jax.named_scope("attn_proj"):
             cos, sin = rope_cos_sin(positions_BT, c.inv_freq(), 1.0)
-            q = apply_rope_half(jnp.einsum("btd,hed->bthe", x_BTD, w_q, precision=pr), cos[:, :, None],
-                                sin[:, :, None])
+            if kernel:
+                q_BktgE = jnp.einsum("btd,kged->bktge", x_BTD, w_q.reshape(KV, g, E, D), precision=pr)
+                q = apply_rope_half(q_BktgE, cos[:, None, :, None], sin[:, None, :, None])
+            else:
+                q = apply_rope_half(jnp.einsum("btd,hed->bthe", x_BTD, w_q, precision=pr), cos[:, :, None],
+                                    sin[:, :, None])
             k = apply_rope_half(jnp.einsum("btd,ked->btke", x_BTD, w_k, precision=pr), cos[:, :, None],
                                 sin[:, :, None])
             v = jnp.einsum("btd,ked->btke", x_BTD, w_v, precision=pr)
@@ -150,14 +158,13 @@ class LlamaAttention(nn.Module):
             if from_cache:  # the committed prefix plus this pass's rows, as written above
                 if tree_mask_BTT is None:
                     tree_mask_BTT = causal_tree_mask(B, T)
-                if self.attn_impl == "xla":
-                    mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
-                    o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5, pr)
-                else:  # one kernel reading the cache in place; query rows grouped per kv head
-                    g = H // KV
-                    q_BkMe = q.reshape(B, T, KV, g, E).transpose(0, 2, 1, 3, 4).reshape(B, KV, T * g, E)
-                    o = gqa_tree_attention(q_BkMe, cache, lengths_B, tree_mask_BTT, E ** -0.5, impl=self.attn_impl)
-                    o = o.reshape(B, KV, T, g, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H, E)
+                if kernel:  # one kernel reading the cache in place
+                    o = gqa_tree_attention(q.reshape(B, KV, T * g, E), cache, lengths_B, tree_mask_BTT, E ** -0.5,
+                                           impl=self.attn_impl)
+                    return jnp.einsum("bktge,dkge->btd", o.reshape(B, KV, T, g, E), w_o.reshape(D, KV, g, E),
+                                      precision=pr), cache
+                mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
+                o = gqa_attention(q, cache[:, :, 0], cache[:, :, 1], mask, E ** -0.5, pr)
             else:  # this pass's own tokens only (full forward, prefill from an empty cache)
                 dc = dt if cache is None else cache.dtype
                 o = gqa_attention(q, k.astype(dc), v.astype(dc), tree_mask_BTT, E ** -0.5, pr)
