@@ -54,6 +54,11 @@ def default_impl() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+def kernel_supports(head_dim: int) -> bool:
+    """Whether the GPU lowering takes this head size (Triton dots want power-of-two tiles of >= 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def gqa_tree_attention_ref(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, scale: float, precision=None):
     """XLA reference: q [B, KV, T*g, e] -> out [B, KV, T*g, e] in q's dtype."""
     B, KV, M, E = q_BkMe.shape

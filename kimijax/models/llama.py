@@ -253,9 +253,17 @@ class LlamaTarget:
     attn_impl: str | None = None  # None: the kernel on GPU, the XLA reference elsewhere (KIMIJAX_KERNELS overrides)
 
     def __post_init__(self):
+        from pallas_kernels.gqa_attention import kernel_supports
         if self.attn_impl is None:
             from kimijax.loading import default_kernel_impl
             self.attn_impl = default_kernel_impl("gqa_attention")
+            if self.attn_impl == "pallas" and not kernel_supports(self.cfg.head_dim):
+                self.attn_impl = "xla"  # the default falls back; an explicit "pallas" is refused below
+        if self.attn_impl not in ("xla", "pallas", "interpret"):
+            raise ConfigError(f"attn_impl {self.attn_impl!r} must be xla, pallas or interpret")
+        if self.attn_impl == "pallas" and not kernel_supports(self.cfg.head_dim):
+            raise ConfigError(f"the GQA attention kernel needs a power-of-two head_dim >= 16, this model has "
+                              f"{self.cfg.head_dim}: use attn_impl='xla'")
         self.module = Llama(self.cfg, self.attn_impl)
         self._forward = jax.jit(self._forward_fn)
 
