@@ -44,7 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.tree_attention import pack_tree_mask, visibility_mask, visible_tile
+from pallas_kernels.tree_attention import (combine_splits, kernel_dot, pack_tree_mask, split_blocks, split_size,
+                                           visibility_mask, visible_tile)
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -80,30 +81,13 @@ def gqa_tree_attention_ref(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, scale:
 # ----------------------------------------------------------------------------------------------
 
 
-def _dot(a, b, dn, f32_operands: bool, f32_algo: str = "ieee"):
-    # f32 operands take IEEE f32 dots (HIGHEST, like the reference; FMA units) or, f32_algo="tf32x3", three
-    # TF32 tensor-core products (about f32 accuracy). Interpret mode upcasts 16-bit operands (XLA:CPU cannot
-    # run a bf16 x bf16 -> f32 dot inside the interpreter; the products are exact) and always runs IEEE.
-    if f32_operands:
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    prec = None
-    if a.dtype == jnp.float32:
-        prec = (lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if f32_algo == "tf32x3" and not f32_operands
-                else lax.Precision.HIGHEST)
-    return lax.dot_general(a, b, dn, precision=prec, preferred_element_type=jnp.float32)
-
-
 def _gqa_kernel(len_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, T, g, M, L, W, bm, bk, split, scale_log2,
                 f32_dots, f32_algo):
     b = pl.program_id(0)
     mi = pl.program_id(2)
     s = pl.program_id(3)
     length = len_ref[b]
-    kv_end = jnp.minimum(length + T, L)
-    lo = s * split
-    hi = jnp.minimum(lo + split, kv_end)
-    n_free = jnp.maximum(jnp.minimum(hi, length) - lo, 0) // bk  # blocks fully inside the committed prefix
-    n_all = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
+    lo, n_free, n_all = split_blocks(length, T, L, s, split, bk)
 
     rows = mi * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
     row_ok = rows < M
@@ -124,7 +108,7 @@ def _gqa_kernel(len_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, T, g,
         else:
             k = k_ref[pl.ds(start, bk), :]
             v = v_ref[pl.ds(start, bk), :]
-        sc = _dot(q, k, c11, f32_dots, f32_algo) * scale_log2  # [bm, bk]
+        sc = kernel_dot(q, k, c11, f32_dots, f32_algo) * scale_log2  # [bm, bk]
         if masked:
             sc = jnp.where(visible_tile(keys, length, T, words, (bm, bk), lambda x: x[None, :],
                                         lambda x: x[:, None]), sc, -jnp.inf)
@@ -133,7 +117,7 @@ def _gqa_kernel(len_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, T, g,
         alpha = jnp.exp2(m_prev - m_use)
         p = jnp.exp2(sc - m_use[:, None])
         l_new = l_prev * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, c10, f32_dots, f32_algo)
+        acc = acc * alpha[:, None] + kernel_dot(p.astype(v.dtype), v, c10, f32_dots, f32_algo)
         return m_new, l_new, acc
 
     E = q.shape[-1]
@@ -181,8 +165,7 @@ def gqa_tree_attention_pallas(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, sca
     n_mb = -(-M // bm)
     W = -(-T // 32)
     S = num_splits or default_splits(B * KV * n_mb, L, keys_per_split, target_programs)
-    split = -(-(-(-L // S)) // bk) * bk  # ceil(L / S) rounded up to a multiple of bk
-    S = -(-L // split)
+    split, S = split_size(L, S, bk)
     single = S == 1
     kernel = functools.partial(_gqa_kernel, T=T, g=g, M=M, L=L, W=W, bm=bm, bk=bk, split=split,
                                scale_log2=float(scale) * _LOG2E, f32_dots=interpret, f32_algo=f32_algo)
@@ -216,12 +199,7 @@ def gqa_tree_attention_pallas(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, sca
     )(lengths_B.astype(jnp.int32), pack_tree_mask(tree_mask_BTT), q_BkMe, cache_BL2ke, cache_BL2ke)
     if single:
         return o
-    mx = jnp.max(lse, axis=2)
-    mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w = jnp.exp(lse - mx_safe[:, :, None])
-    den = jnp.sum(w, axis=2)
-    o = jnp.sum(w[..., None] * o, axis=2) / jnp.where(den > 0, den, 1.0)[..., None]
-    return o.astype(q_BkMe.dtype)
+    return combine_splits(o, lse, axis=2)[0].astype(q_BkMe.dtype)
 
 
 def gqa_tree_attention(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, scale: float, *, impl: str = "xla",

@@ -128,12 +128,47 @@ def pack_tree_mask(tree_mask_BTT):
     return lax.bitcast_convert_type(words, jnp.int32)
 
 
-def _dot(a, b, dn, f32_operands: bool):
-    # XLA:CPU cannot run a bf16 x bf16 -> f32 dot inside the interpreter's loop; bf16 -> f32 is exact, so
-    # interpret mode upcasts the operands (same products, f32 accumulation as on the tensor cores).
+def kernel_dot(a, b, dn, f32_operands: bool, f32_algo: str = "ieee"):
+    """A dot inside the attention kernels, f32 accumulation. f32 operands take IEEE f32 dots (HIGHEST; FMA
+    units), f32_algo="tf32x3" three TF32 tensor-core products (about f32 accuracy), or f32_algo="backend" the
+    lowering's default (Triton: one TF32 product; the MLA kernel, whose models are bf16). f32_operands (interpret
+    mode) upcasts 16-bit operands: XLA:CPU cannot run a bf16 x bf16 -> f32 dot inside the interpreter's loop,
+    and bf16 -> f32 is exact (same products, f32 accumulation as on the tensor cores); it always runs IEEE."""
     if f32_operands:
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+    prec = None
+    if a.dtype == jnp.float32 and f32_algo != "backend":
+        prec = (lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if f32_algo == "tf32x3" and not f32_operands
+                else lax.Precision.HIGHEST)
+    return lax.dot_general(a, b, dn, precision=prec, preferred_element_type=jnp.float32)
+
+
+def split_size(L: int, S: int, bk: int) -> tuple[int, int]:
+    """(keys per split, splits): ceil(L / S) rounded up to a multiple of bk, and the splits that leaves."""
+    split = -(-(-(-L // S)) // bk) * bk
+    return split, -(-L // split)
+
+
+def split_blocks(length, T: int, L: int, s, split: int, bk: int):
+    """(first key, blocks fully inside the committed prefix, all blocks) of split s for a request with
+    committed length `length` and T new rows: keys [s*split, (s+1)*split) clipped to length + T."""
+    lo = s * split
+    hi = jnp.minimum(lo + split, jnp.minimum(length + T, L))
+    n_free = jnp.maximum(jnp.minimum(hi, length) - lo, 0) // bk
+    n_all = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
+    return lo, n_free, n_all
+
+
+def combine_splits(o, lse, axis: int):
+    """Log-sum-exp merge of per-split normalised outputs o (split axis `axis`, one more trailing axis than lse)
+    and their lse -> (o, lse) without that axis. Splits that saw nothing (lse -inf) weigh 0; a row no split saw
+    gets 0 and lse -inf."""
+    mx = jnp.max(lse, axis=axis)
+    mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(lse - jnp.expand_dims(mx_safe, axis))
+    den = jnp.sum(w, axis=axis)
+    o = jnp.sum(w[..., None] * o, axis=axis) / jnp.where(den > 0, den, 1.0)[..., None]
+    return o, jnp.where(den > 0, mx_safe + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
 
 
 def visible_tile(keys, length, T: int, words, tile, col, row):
@@ -164,11 +199,7 @@ def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K
     KV = K // VS
     s = pl.program_id(2)
     length = len_ref[b]
-    kv_end = jnp.minimum(length + T, L)
-    lo = s * split
-    hi = jnp.minimum(lo + split, kv_end)
-    n_free = jnp.maximum(jnp.minimum(hi, length) - lo, 0) // bk  # blocks fully inside the committed prefix
-    n_all = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
+    lo, n_free, n_all = split_blocks(length, T, L, s, split, bk)
 
     q_lat = q_ref[:, pl.ds(0, K)]  # [bm, K]
     q_pe = q_ref[:, pl.ds(K, R)]  # [bm, R]
@@ -184,6 +215,7 @@ def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K
     c11 = (((1,), (1,)), ((), ()))  # a @ b.T
     c00 = (((0,), (0,)), ((), ()))  # a.T @ b
     c10 = (((1,), (0,)), ((), ()))  # a @ b
+    f32_algo = "backend"  # f32 operands keep the lowering's default dot here (the MLA models are bf16)
 
     def step(i, carry, masked):
         m_prev, l_prev, acc = carry
@@ -200,9 +232,9 @@ def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K
             k_pe = cache_ref[pl.ds(start, bk), pl.ds(K, R)]
             v = k_lat if VS == 1 else cache_ref[pl.ds(start, bk), pl.ds(v0, KV)]
         if transposed:
-            sc = _dot(k_lat, q_lat, c11, f32_dots) + _dot(k_pe, q_pe, c11, f32_dots)
+            sc = kernel_dot(k_lat, q_lat, c11, f32_dots, f32_algo) + kernel_dot(k_pe, q_pe, c11, f32_dots, f32_algo)
         else:
-            sc = _dot(q_lat, k_lat, c11, f32_dots) + _dot(q_pe, k_pe, c11, f32_dots)
+            sc = kernel_dot(q_lat, k_lat, c11, f32_dots, f32_algo) + kernel_dot(q_pe, k_pe, c11, f32_dots, f32_algo)
         sc = sc * scale_log2
         if masked:
             sc = jnp.where(visible_tile(keys, length, T, words, tile, col, row), sc, -jnp.inf)
@@ -213,9 +245,9 @@ def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K
         l_new = l_prev * alpha + jnp.sum(p, axis=ka)
         pv = p.astype(k_lat.dtype)
         if transposed:  # O^T [KV, bm] += V^T [KV, bk] @ P^T [bk, bm]
-            acc = acc * alpha[None, :] + _dot(v, pv, c00, f32_dots)
+            acc = acc * alpha[None, :] + kernel_dot(v, pv, c00, f32_dots, f32_algo)
         else:  # O [bm, KV] += P [bm, bk] @ V [bk, KV]
-            acc = acc * alpha[:, None] + _dot(pv, v, c10, f32_dots)
+            acc = acc * alpha[:, None] + kernel_dot(pv, v, c10, f32_dots, f32_algo)
         return m_new, l_new, acc
 
     acc0 = jnp.zeros((KV, bm) if transposed else (bm, KV), jnp.float32)
@@ -264,8 +296,7 @@ def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: fl
     n_mb = Mp // bm
     W = -(-T // 32)
     S = num_splits or _auto_splits(B, n_mb * value_splits, L, bk, n_sm, min_split)
-    split = -(-(-(-L // S)) // bk) * bk  # ceil(L / S) rounded up to a multiple of bk
-    S = -(-L // split)
+    split, S = split_size(L, S, bk)
     single = S == 1
     warps = num_warps or (8 if bm >= 64 else 4)
     stages = num_stages or 2
@@ -307,12 +338,7 @@ def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: fl
     )(lengths_B, bits_BTW, q_BMC, cache_BLC)
 
     if not single:
-        mx = jnp.max(lse, axis=1)
-        mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        w = jnp.exp(lse - mx_safe[:, None])
-        den = jnp.sum(w, axis=1)
-        o = jnp.sum(w[..., None] * o, axis=1) / jnp.where(den > 0, den, 1.0)[..., None]
-        lse = jnp.where(den > 0, mx_safe + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+        o, lse = combine_splits(o, lse, axis=1)
         o = o.astype(q_BTHC.dtype)
     if Mp != M:
         o, lse = o[:, :M], lse[:, :M]

@@ -15,23 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_inputs import fresh_seed, random_tree
 from pallas_kernels import tree_attention as ta
 
 K_LAT, R_PE = 64, 8  # C = 72: a small stand-in for 512 + 64
-_SEEDS = np.random.SeedSequence()
-
-
-def _seed() -> int:
-    return int(_SEEDS.spawn(1)[0].generate_state(1)[0])
-
-
-def _random_tree(rng, T):
-    """Ancestor-or-self mask of a random tree (node i's parent is a random earlier node)."""
-    anc = np.eye(T, dtype=bool)
-    for i in range(1, T):
-        p = rng.integers(0, i)
-        anc[i] |= anc[p]
-    return anc
 
 
 def _inputs(seed, B, L, T, H, *, lengths=None, tree=None):
@@ -41,7 +28,7 @@ def _inputs(seed, B, L, T, H, *, lengths=None, tree=None):
     if lengths is None:
         lengths = rng.integers(0, L - T + 1, size=B)
     if tree is None:
-        tree = np.stack([_random_tree(rng, T) for _ in range(B)])
+        tree = np.stack([random_tree(rng, T) for _ in range(B)])
     return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(tree, bool)
 
 
@@ -84,7 +71,7 @@ def test_auto_picks_per_measured_shape(monkeypatch):
         assert ta.auto_uses_reference(B, T, H, L), (B, L, T)
     assert not ta.auto_uses_reference(128, 17, H, 32768)  # 18 GB of scores
     # the dispatch: the reference where it picks it, bit for bit; else the kernel
-    rng = np.random.default_rng(_seed())
+    rng = np.random.default_rng(fresh_seed())
     q = jnp.asarray(rng.normal(size=(1, 9, 2, 48)), jnp.float32)
     cache = jnp.asarray(rng.normal(size=(1, 300, 48)), jnp.float32)
     args = (q, cache, jnp.array([100], jnp.int32), jnp.tril(jnp.ones((1, 9, 9), bool)), 0.3, 32)
@@ -98,57 +85,57 @@ def test_auto_picks_per_measured_shape(monkeypatch):
 
 def test_single_split_odd_sizes():
     # T*H = 20 (block_m 32 -> padded rows), L = 101 (not a multiple of block_k 32)
-    _check(_seed(), B=3, L=101, T=5, H=4)
+    _check(fresh_seed(), B=3, L=101, T=5, H=4)
 
 
 def test_split_k_combine():
     # 3 splits of 80 keys over L = 203 with block_k 16; lengths random (some splits empty)
-    _check(_seed(), B=2, L=203, T=7, H=4, num_splits=3, block_k=16)
+    _check(fresh_seed(), B=2, L=203, T=7, H=4, num_splits=3, block_k=16)
 
 
 def test_many_splits_block_m_16():
-    _check(_seed(), B=1, L=333, T=9, H=3, num_splits=5, block_m=16, block_k=16)
+    _check(fresh_seed(), B=1, L=333, T=9, H=3, num_splits=5, block_m=16, block_k=16)
 
 
 def test_value_splits_and_transposed():
     # two programs per row block, each accumulating half of the value columns; S^T / O^T orientation
-    seed = _seed()
+    seed = fresh_seed()
     _check(seed, B=2, L=150, T=5, H=4, value_splits=2, num_splits=2, block_k=16)
     _check(seed, B=2, L=150, T=5, H=4, value_splits=2, transposed=True, block_k=32)
 
 
 def test_decode_t1():
-    _check(_seed(), B=5, L=77, T=1, H=4, num_splits=2)
+    _check(fresh_seed(), B=5, L=77, T=1, H=4, num_splits=2)
 
 
 def test_t33_two_mask_words():
     # T = 33 > 32: the tree mask needs two int32 words per row; the tree block spans several key blocks
-    _check(_seed(), B=1, L=130, T=33, H=2, block_k=16, num_splits=2)
+    _check(fresh_seed(), B=1, L=130, T=33, H=2, block_k=16, num_splits=2)
 
 
 def test_t129_five_mask_words():
-    _check(_seed(), B=1, L=200, T=129, H=1, block_m=64, block_k=32)
+    _check(fresh_seed(), B=1, L=200, T=129, H=1, block_m=64, block_k=32)
 
 
 def test_full_cache_and_empty_prefix():
-    seed = _seed()
+    seed = fresh_seed()
     # request 0: no committed prefix (only the tree block); request 1: the tree block ends at slot L-1
     _check(seed, B=2, L=90, T=6, H=4, lengths=[0, 84], num_splits=2, block_k=16)
 
 
 def test_fully_masked_tree_rows():
     """Tree rows with no visible key at all (length 0, padded tree entries): output 0 and lse -inf."""
-    seed = _seed()
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     T = 7
-    tree = np.stack([_random_tree(rng, T) for _ in range(2)])
+    tree = np.stack([random_tree(rng, T) for _ in range(2)])
     tree[0, 4:] = False  # padded tree entries of request 0 see nothing (length 0)
     tree[1, 2] = False  # request 1 has a prefix, so its masked row still sees the prefix
     _check(seed, B=2, L=64, T=T, H=4, lengths=[0, 20], tree=tree, num_splits=2, block_k=16)
 
 
 def test_dispatch_matches_kernel():
-    seed = _seed()
+    seed = fresh_seed()
     args = _inputs(seed, 2, 50, 3, 4)
     a = ta.tree_attention(*args, 0.3, K_LAT, impl="interpret")
     b = ta.tree_attention_pallas(*args, 0.3, K_LAT, interpret=True)
@@ -160,7 +147,7 @@ def test_dispatch_matches_kernel():
 
 
 def test_pack_tree_mask():
-    rng = np.random.default_rng(_seed())
+    rng = np.random.default_rng(fresh_seed())
     m = rng.random((2, 40, 40)) < 0.5
     words = np.asarray(ta.pack_tree_mask(jnp.asarray(m))).view(np.uint32)
     u = np.arange(40)

@@ -14,20 +14,8 @@ import numpy as np
 import pytest
 from jax import lax
 
+from kernel_inputs import fresh_seed, random_tree
 from pallas_kernels import gqa_attention as ga
-
-_SEEDS = np.random.SeedSequence()
-
-
-def _seed() -> int:
-    return int(_SEEDS.spawn(1)[0].generate_state(1)[0])
-
-
-def _random_tree(rng, T):
-    anc = np.eye(T, dtype=bool)
-    for i in range(1, T):
-        anc[i] |= anc[rng.integers(0, i)]
-    return anc
 
 
 def _inputs(seed, B, L, T, KV, g, E, dtype=jnp.float32, lengths=None):
@@ -35,12 +23,12 @@ def _inputs(seed, B, L, T, KV, g, E, dtype=jnp.float32, lengths=None):
     q = jnp.asarray(rng.normal(size=(B, KV, T * g, E)), dtype)
     cache = jnp.asarray(rng.normal(size=(B, L, 2, KV, E)), dtype)
     lengths = rng.integers(0, L - T + 1, size=B) if lengths is None else lengths
-    tree = np.stack([_random_tree(rng, T) for _ in range(B)])
+    tree = np.stack([random_tree(rng, T) for _ in range(B)])
     return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(tree)
 
 
 def _check(B, L, T, KV, g, E, dtype=jnp.float32, tol=2e-6, lengths=None, **kw):
-    seed = _seed()
+    seed = fresh_seed()
     q, cache, lengths, tree = _inputs(seed, B, L, T, KV, g, E, dtype, lengths)
     scale = E ** -0.5
     out = jax.jit(functools.partial(ga.gqa_tree_attention_pallas, scale=scale, interpret=True, **kw))(
@@ -78,14 +66,14 @@ def test_empty_prefix_and_full_cache():
 
 
 def test_row_that_sees_nothing_is_zero():
-    q, cache, lengths, tree = _inputs(_seed(), 1, 20, 3, 1, 2, 16, lengths=[0])
+    q, cache, lengths, tree = _inputs(fresh_seed(), 1, 20, 3, 1, 2, 16, lengths=[0])
     tree = tree.at[0, 1].set(False)  # node 1 sees no key at all (empty prefix, no ancestors, not itself)
     out = ga.gqa_tree_attention_pallas(q, cache, lengths, tree, 0.25, interpret=True)
     assert np.all(np.asarray(out)[0, 0, 2:4] == 0.0) and np.all(np.isfinite(np.asarray(out)))
 
 
 def test_dispatch():
-    q, cache, lengths, tree = _inputs(_seed(), 1, 30, 3, 2, 2, 16)
+    q, cache, lengths, tree = _inputs(fresh_seed(), 1, 30, 3, 2, 2, 16)
     a = ga.gqa_tree_attention(q, cache, lengths, tree, 0.25, impl="xla", precision=lax.Precision.HIGHEST)
     b = ga.gqa_tree_attention(q, cache, lengths, tree, 0.25, impl="interpret")
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)

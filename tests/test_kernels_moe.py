@@ -18,15 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_inputs import fresh_seed as _seed
 from kimijax.quant import quantize_int4_np
 from pallas_kernels import moe_int4 as mi
 from pallas_kernels import moe_layout as ml
-
-_SEEDS = np.random.SeedSequence()
-
-
-def _seed() -> int:
-    return int(_SEEDS.spawn(1)[0].generate_state(1)[0])
 
 
 def _experts(rng, E, F, D, quant=True):

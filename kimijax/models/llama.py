@@ -28,7 +28,7 @@ from kimijax.config import ConfigError
 from kimijax.models.common import (MLP, RMSNorm, apply_rope_half, causal_rows, causal_tree_mask, in_query_chunks,
                                    param, rope_cos_sin)
 from kimijax.target import gather_rows
-from pallas_kernels.gqa_attention import gqa_tree_attention
+from pallas_kernels.gqa_attention import gqa_tree_attention, kernel_supports
 from pallas_kernels.tree_attention import visibility_mask
 
 _DTYPES = ("bfloat16", "float32", "float16")
@@ -253,7 +253,6 @@ class LlamaTarget:
     attn_impl: str | None = None  # None: the kernel on GPU, the XLA reference elsewhere (KIMIJAX_KERNELS overrides)
 
     def __post_init__(self):
-        from pallas_kernels.gqa_attention import kernel_supports
         if self.attn_impl is None:
             from kimijax.loading import default_kernel_impl
             self.attn_impl = default_kernel_impl("gqa_attention")
