@@ -44,10 +44,12 @@ Shape limits of the kernel: INT4 and bf16 need D and F divisible by 128, and blo
 F / D (defaults 64 / 128, halved until they divide).  Other shapes fall back to `moe_ref` (explicitly, in
 `moe`).  Backend: the Triton lowering of Pallas (`pl.pallas_call` + `pltriton.CompilerParams`): it runs
 under interpret=True on CPU for the tests; Mosaic GPU was not tried (no device time for a second backend).
-Measured on an H200 (BENCHMARKS.md, "Kernels"): bf16 weights stream at 3.4-3.75 TB/s from T = 9 up; INT4
-reaches 0.96 TB/s at T = 1 and 1.9-2.06 TB/s from T = 9 up (28 % and 56-60 % of a 3.43 TB/s read roof): not
-bandwidth-bound; the unpack + scale ALU work (4 ops per plane and word) and one MMA wait per plane pair
-remain in every loop iteration.
+Measured on an H200 (BENCHMARKS.md, "Kernels", kernel time from the profiler, read roof 3.63 TB/s in that
+run): INT4 streams 1.87 TB/s at T = 1 and 2.4-2.5 TB/s from T = 9 up (52 % and 65-68 % of the roof), the bf16
+variant 4.1-4.5 TB/s (the roof is a loose lower bound).  So INT4 is not bandwidth-bound: the unpack + scale ALU
+work (4 ops per plane and word) and one MMA wait per plane pair remain in every loop iteration.  Tried and
+dropped (same page): split-K for small T (gate/up -10 % at T = 1, eaten by the extra reduction), 8 warps, 2 or
+4 pipeline stages.
 """
 
 from __future__ import annotations
