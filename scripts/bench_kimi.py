@@ -1033,7 +1033,13 @@ def summarize(result: dict) -> list[dict]:
             d_batch, d_src = float(c["distinct_experts_batch"]), "measured (router on random hidden states)"
         else:
             d_batch, d_src = uni_batch, "uniform-routing estimate"
-        fl = layer_floor(info, roof, B, S, d_batch)
+        # the layer floor counts the experts the timed layer actually routed to: component MoE timings route
+        # random hidden states (T=9: ~64 experts), while an Engine tree's tokens share experts (~25)
+        d_layer = d_batch
+        if parts and parts["source"] == "components" and c and "distinct_experts_batch" in c and not (
+                method == "ar" and B == 1):
+            d_layer = float(c["distinct_experts_batch"])
+        fl = layer_floor(info, roof, B, S, d_layer)
         src = parts["source"] if parts else "none"
         if parts and parts["source"] == "components" and c.get("drafter_skipped"):
             src += " (drafter not measured: memory)"
@@ -1042,7 +1048,7 @@ def summarize(result: dict) -> list[dict]:
         row = dict(key=key, method=method, batch=B, ctx=ctx, S=S, width=T, source=src,
                    round_ms=e["round_ms"] if e else None, floor=fl, distinct_source=d_src,
                    distinct_per_request_measured=meas_req, distinct_per_request_uniform=uni_req,
-                   distinct_batch=d_batch, distinct_batch_uniform=uni_batch, parts=parts,
+                   distinct_batch=d_batch, distinct_layer=d_layer, distinct_batch_uniform=uni_batch, parts=parts,
                    round_floor_ms=round_floor(info, roof, B, S, method, d_batch))
         if parts and parts["moe_layer"]:
             ml = parts["moe_layer"]
@@ -1156,7 +1162,12 @@ def project(result: dict, rows: list[dict], args) -> dict:
                         continue
                     P = r["parts"]
                     sh = device_shares(cfg, layout, C, r["S"], r["distinct_batch"], ndev, info)
-                    moe_l = sum(v * sh[c] for c, v in P["moe_layer"].items())
+                    # the timed layer may have routed to more experts than the case does (components route random
+                    # hidden states; a tree's tokens share experts): routed-expert time scaled by bytes, i.e. by
+                    # the distinct-expert ratio (linear; the H200 kernel was 12 % slower than linear at a 24- vs
+                    # 66-expert routing of 9 tokens, BENCHMARKS.md)
+                    routed = r["distinct_batch"] / max(r.get("distinct_layer") or r["distinct_batch"], 1e-9)
+                    moe_l = sum(v * sh[c] * (routed if c == "moe_routed" else 1.0) for c, v in P["moe_layer"].items())
                     dense_l = sum(v * sh[c] for c, v in P["dense_layer"].items()) if P["dense_layer"] else moe_l
                     rnd = sum(v * sh.get(c if c != "other" else "round_other", 1.0) for c, v in P["round"].items())
                     coll, ncoll = collective_ms(collective_plan(layout, method, C, r["width"], cfg, info, n_layers),
@@ -1167,7 +1178,8 @@ def project(result: dict, rows: list[dict], args) -> dict:
                                nonlayer_ms=rnd, collectives_ms=coll, collectives=ncoll,
                                ms_per_token=t / al[method], tok_s_per_user=al[method] / t * 1e3,
                                tok_s=C * al[method] / t * 1e3,
-                               experts_on_busiest_device=sh.get("experts_on_busiest_device"))
+                               experts_on_busiest_device=sh.get("experts_on_busiest_device"),
+                               routed_expert_time_scale=routed)
                     out["rows"].append(row)
     return out
 
@@ -1223,7 +1235,7 @@ def table(result: dict) -> str:
     L += _md_head(["case", "B", "ctx", "source", "round ms (HBM floor)", "MoE layer ms (kernels only)",
                    "per layer: attn / MoE routed+shared / router / other+gap", "per round: drafter / tree / "
                    "accept+commit / lm_head", "layer HBM floor ms", "layer / floor",
-                   "distinct experts per layer: per request (uniform) ; batch"])
+                   "distinct experts per layer: per request (uniform) ; batch ; in the timed layer"])
     for r in rows:
         P = r.get("parts") or {}
         ml, rd = P.get("moe_layer") or {}, P.get("round") or {}
@@ -1234,7 +1246,7 @@ def table(result: dict) -> str:
             if rd else "-"
         rnd = _f(r["round_ms"]) if r["round_ms"] is not None else f"{_f(r.get('model_round_ms'))} (components)"
         dist = (f"{_f(r['distinct_per_request_measured'], '.1f')} ({r['distinct_per_request_uniform']:.1f}) ; "
-                f"{r['distinct_batch']:.1f}")
+                f"{r['distinct_batch']:.1f} ; {r.get('distinct_layer', r['distinct_batch']):.1f}")
         L.append(_md([r["method"], r["batch"], ctx_label(r["ctx"]), r["source"], f"{rnd} ({r['round_floor_ms']:.3f})",
                       f"{_f(r.get('layer_ms'))} ({_f(r.get('layer_kernel_ms'))})", split, rsplit,
                       f"{r['floor']['ms']:.3f}", f"{_f(r.get('layer_over_floor'), '.2f')}x", dist]))
