@@ -136,6 +136,18 @@ def test_smoke_end_to_end(tmp_path):
             q = p1[(p["layout"], p["link"], p["concurrency"])]
             assert p["round_ms"] == pytest.approx(q["round_ms"])
             assert p["tok_s"] == pytest.approx(q["tok_s"] * 1.5 / 3.0)
+    # a per-layer split from components is held against the experts that component routed to, and the projection
+    # scales routed-expert time to the Engine tree's own distinct experts
+    res3 = json.loads(out.read_text())
+    res3["cases"][0].pop("profile")
+    res3["cases"][0]["distinct_experts_per_layer"] = [1.0] * res["slice"]["moe_layers"]
+    (row,) = [x for x in bk.summarize(res3) if x["method"] == "b4"]
+    assert row["source"] == "components" and row["distinct_batch"] == 1.0
+    assert row["distinct_layer"] == row["floor"]["distinct"] == comp["distinct_experts_batch"]
+    args = bk.parse_args(["--smoke"])
+    scaled = [p for p in bk.project(res3, [row], args)["rows"] if "routed_expert_time_scale" in p]
+    assert scaled and all(p["routed_expert_time_scale"] == pytest.approx(1.0 / comp["distinct_experts_batch"])
+                          for p in scaled)
 
 
 def test_permuted_copy_keeps_values_and_casts_scales():
@@ -167,3 +179,11 @@ def test_profile_round_scopes():
     rec = pr.attribute(evs, {"fusion.1": f"{base}/verify/Llama/layer_3/layers_3/mlp/x"}, 3, rounds=2)
     assert rec["kernels_per_round"] == 1.0 and abs(rec["kernel_ms_per_round"] - 0.003) < 1e-12
     assert rec["stages"]["verify"]["n"] == 0.5 and rec["unattributed"]["ms"] == 0.002
+
+
+def test_profile_moe_block_runs_on_cpu(capsys):
+    import profile_moe_block
+
+    profile_moe_block.main(["--tokens", "1,3"])
+    out = capsys.readouterr().out
+    assert "MoE impl interpret" in out and "N=1 tokens" in out and "N=3 tokens" in out
