@@ -3,7 +3,8 @@
 routed experts through `moe`, shared expert) at full width with random INT4 experts in the kernel layout, for
 N tokens routed by the real router code (random weights: distinct experts depend on the random router, as in
 scripts/bench_kimi.py's components). Prints, per N: back-to-back time per call (scripts/bench_kimi.py's
-loop_ms), the profiler's kernel time per call, and the kernels by name with their named scope.
+loop_ms), the profiler's kernel time per call, the HBM floor of the bytes it reads at the read roof measured in
+the same run (GPU), and the kernels by name with their named scope.
 
   python3 scripts/profile_moe_block.py [--tokens 1,9,17] [--impl pallas|xla]
 """
@@ -44,7 +45,17 @@ def main(argv=None):
     params = convert_expert_layout(build_target_params(cfg, 2, 0), layout, donate=True)
     p = params["layers_1"]["mlp"]
     m = MoE(cfg, jnp.bfloat16, impl, None, layout)
-    print(f"device {jax.devices()[0].device_kind}; MoE impl {impl}, experts in the {layout} layout", flush=True)
+    roof = None
+    if gpu:  # the HBM read roof in this run, for each case's floor
+        from bench_slice import measure_roof
+        roof = measure_roof()
+    # bytes a call must read: router + shared expert, plus each distinct routed expert's share of the stacked arrays
+    E = cfg.n_routed_experts
+    expert_keys = {k for k in p if k.endswith(("_planar", "_scale_t", "_packed", "_scale"))}
+    per_expert = sum(int(p[k].nbytes) for k in expert_keys) / E
+    fixed = sum(int(x.nbytes) for k, v in p.items() if k not in expert_keys for x in jax.tree_util.tree_leaves(v))
+    print(f"device {jax.devices()[0].device_kind}; MoE impl {impl}, experts in the {layout} layout"
+          + (f"; read roof {roof / 1e12:.2f} TB/s" if roof else ""), flush=True)
     for N in (int(t) for t in args.tokens.split(",")):
         x = jax.random.normal(jax.random.PRNGKey(N), (1, N, cfg.hidden_size), jnp.bfloat16)
         ids, _ = jax.jit(lambda p, x: route(x[0], p["gate"], p["e_score_correction_bias"], cfg))(p, x)
@@ -59,8 +70,9 @@ def main(argv=None):
             per[(ev, names.get(op, names.get(ev, "")))] += ns / 1e3 / reps
             count[(ev, names.get(op, names.get(ev, "")))] += 1
         total = sum(per.values())
+        floor = f"; HBM floor {(fixed + distinct * per_expert) / roof * 1e6:.1f} us" if roof else ""
         print(f"\nN={N} tokens, {distinct} distinct experts: {ms * 1e3:.1f} us per call back to back, "
-              f"{total:.1f} us of kernels per call ({sum(count.values()) / reps:.0f} kernels)", flush=True)
+              f"{total:.1f} us of kernels per call ({sum(count.values()) / reps:.0f} kernels){floor}", flush=True)
         for (ev, scope), us in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  {us:8.1f} us  x{count[(ev, scope)] // reps:<3d} {ev[:48]:48s} {scope[-70:]}", flush=True)
 
