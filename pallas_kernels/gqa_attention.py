@@ -25,8 +25,8 @@ bit-packed tree mask (`tree_attention.pack_tree_mask`). S = 1 writes the normali
 partials + LSE merged by an XLA log-sum-exp combine. Splits (`default_splits`): at least 64 keys each, about
 two programs per SM in all. On the H200 at SmolLM2 shapes (B = 1, L = 640) 64 keys per split took 13.2 / 17.4 us
 per call (T = 1 / 17) against 20.7 / 21.0 at 128, 31.3 / 29.8 at 256 and 36.0 / 42.0 with one split (the few
-programs of one split leave the GPU idle); the XLA reference 21.5 / 28.0 (BENCHMARKS.md, "Decode attention
-kernel"). Dots take the operands' precision: f32 models run
+programs of one split leave the GPU idle); the XLA reference 21.5 / 28.0 (BENCHMARKS.md, "Where a round's time
+goes, and a decode-attention kernel"). Dots take the operands' precision: f32 models run
 IEEE f32 dots (`precision=HIGHEST`, as the XLA reference), so a tree-verify pass and an AR step agree as
 closely as the reference makes them (f32_algo="tf32x3", three TF32 tensor-core products, took 17.9 / 17.1 us
 at 128 keys per split against IEEE's 20.7 / 21.0, but is not the reference's arithmetic, so it is an option, not
@@ -44,8 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.tree_attention import (combine_splits, kernel_dot, pack_tree_mask, split_blocks, split_size,
-                                           visibility_mask, visible_tile)
+from pallas_kernels.tree_attention import (combine_splits, kernel_dot, next_pow2, pack_tree_mask, split_blocks,
+                                           split_size, visibility_mask, visible_tile)
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -132,10 +132,6 @@ def _gqa_kernel(len_ref, bits_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, T, g,
     pltriton.store(lse_ref.at[pl.ds(mi * bm, bm)], lse, mask=row_ok)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def default_splits(programs: int, L: int, keys_per_split: int = 64, target_programs: int = 264) -> int:
     """Splits along L for a grid of `programs` (b, kv, row block) programs: enough for about target_programs
     programs in all (two per H200 SM), never fewer than keys_per_split keys per split. At small batch this
@@ -160,7 +156,7 @@ def gqa_tree_attention_pallas(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, sca
     g = M // T
     L = cache_BL2ke.shape[1]
     f32 = jnp.dtype(q_BkMe.dtype) == jnp.float32
-    bm = block_m or (16 if f32 else min(64, max(16, _next_pow2(M))))
+    bm = block_m or (16 if f32 else min(64, max(16, next_pow2(M))))
     bk = block_k or (64 if f32 else 32)
     n_mb = -(-M // bm)
     W = -(-T // 32)

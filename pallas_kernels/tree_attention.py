@@ -115,7 +115,7 @@ def tree_attention_ref(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float
 # ----------------------------------------------------------------------------------------------
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
@@ -290,7 +290,7 @@ def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: fl
     K = kv_rank
     R = C - K
     M = T * H
-    bm = block_m or min(64, max(16, _next_pow2(M)))
+    bm = block_m or min(64, max(16, next_pow2(M)))
     bk = block_k or 32
     Mp = -(-M // bm) * bm
     n_mb = Mp // bm

@@ -180,8 +180,8 @@ class LlamaLayer(nn.Module):
     def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, from_cache):
         c = self.cfg
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_layernorm")(x_BTD)
-        a, cache = LlamaAttention(c, self.dtype, self.attn_impl, name="self_attn")(h, positions_BT, cache, lengths_B, tree_mask_BTT,
-                                                                  from_cache=from_cache)
+        attn = LlamaAttention(c, self.dtype, self.attn_impl, name="self_attn")
+        a, cache = attn(h, positions_BT, cache, lengths_B, tree_mask_BTT, from_cache=from_cache)
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
         with jax.named_scope("mlp"):
@@ -203,7 +203,8 @@ class Llama(nn.Module):
         c = self.cfg
         self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                                   self.dtype, init="normal")
-        self.layers = [LlamaLayer(c, self.dtype, self.attn_impl, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+        self.layers = [LlamaLayer(c, self.dtype, self.attn_impl, name=f"layers_{i}")
+                       for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
         if not c.tie_word_embeddings:
             self.lm_head = param(self, "lm_head", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
