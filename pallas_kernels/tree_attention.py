@@ -71,14 +71,20 @@ def default_impl() -> str:
 # (B*T*L <= 131k: 1.4-2.1x; at 295k within 3-11 % either way), the XLA reference (cuBLAS GEMMs) once the
 # pass is compute-bound (B=32 L=4k T=9: 780 vs 1215 us; B=128 L=2k T=9: 1441 vs 2068 us).  The threshold is
 # on B*T*H*L (proportional to the FLOPs; H other than 64 was not measured), and the reference only while
-# its f32 scores [B, T, H, L] stay under AUTO_MAX_SCORE_BYTES.
+# its f32 scores [B, T, H, L] stay under AUTO_MAX_SCORE_BYTES.  Those were wall times of standalone calls;
+# inside one compiled round kernel time decides, and there the reference also wins from T = 17 tokens (b16
+# verify) up: B=1 L=4k T=17, the whole MLA block 139 vs 163 us of kernels and the 5-layer Engine b16 round
+# 8.40 vs 8.53 ms (BENCHMARKS.md, "Kimi ... run 5"), so T >= AUTO_XLA_MIN_T also picks the reference.  At
+# T = 9 the evidence is mixed (block 123 vs 127 us, Engine round 6.85 vs 6.73 ms), at T = 1 the kernel wins.
 AUTO_XLA_MIN_WORK = (1 << 18) * 64
+AUTO_XLA_MIN_T = 17
 AUTO_MAX_SCORE_BYTES = 2 << 30
 
 
 def auto_uses_reference(B: int, T: int, H: int, L: int) -> bool:
     """Whether "auto" runs the XLA reference for this shape (else the Pallas kernel)."""
-    return B * T * H * L >= AUTO_XLA_MIN_WORK and 4 * B * T * H * L <= AUTO_MAX_SCORE_BYTES
+    return ((B * T * H * L >= AUTO_XLA_MIN_WORK or T >= AUTO_XLA_MIN_T)
+            and 4 * B * T * H * L <= AUTO_MAX_SCORE_BYTES)
 
 
 def visibility_mask(lengths_B, tree_mask_BTT, L: int):

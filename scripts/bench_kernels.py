@@ -190,6 +190,9 @@ MOE_CONFIGS = {  # left-out options = the kernel's defaults (blocks 64 / 128, 1 
     "default": dict(),
     "steps2": dict(steps=2),  # 2 superblocks per loop iteration
     "stages4": dict(num_stages=4),
+    "stages5": dict(num_stages=5),  # deeper pipelines: more bytes in flight when few programs run (T = 1)
+    "stages6": dict(num_stages=6),
+    "blocks32_s5": dict(block_f=32, block_d=64, num_stages=5),
 }
 # Measured out earlier (BENCHMARKS.md, 2026-12-03 runs 1-3; since removed from the kernel): transposed bf16
 # scales (unpipelined 16-bit loads), scales applied to each plane's f32 dot, untiled words, 128-row blocks.
@@ -347,12 +350,18 @@ def main():
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later optional parts are skipped")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", choices=["moe", "attn", "attn-crossover"], default=None)
+    ap.add_argument("--moe-ab", default=None, help="CONFIG,CONFIG,...: only time these MOE_CONFIGS against each other "
+                                                   "at --moe-tokens (kernel time), print a table, stop")
+    ap.add_argument("--moe-tokens", default="1,9,17,33")
     args = ap.parse_args()
     dev = jax.devices()[0]
     RES.update(date=time.strftime("%Y-%m-%d %H:%M:%S"), device=dev.device_kind, platform=dev.platform,
                jax=jax.__version__, argv=sys.argv)
     log(f"device {dev.device_kind}, jax {jax.__version__}")
     roof, peak = measure_roofs()
+    if args.moe_ab:
+        moe_ab(roof, args.moe_ab.split(","), [int(t) for t in args.moe_tokens.split(",")])
+        return
     if args.only == "attn-crossover":
         attn_crossover(roof, peak, args.budget)
         RES["total_s"] = elapsed()
@@ -429,6 +438,27 @@ def main():
     RES["total_s"] = elapsed()
     save()
     print_table(roof, peak)
+
+
+def moe_ab(roof, names, tokens):
+    """Kernel configurations against each other, interleaved per T (same inputs, same run)."""
+    ckpt, kern = make_int4_experts()
+    ab = RES.setdefault("moe_ab", {})
+    for T in tokens:
+        for n in names:
+            guarded(f"{n}|T{T}", lambda: moe_case(f"moe int4 {n} T={T}", T, kern, BYTES_INT4, roof, MOE_CONFIGS[n],
+                                                  ref_experts=ckpt, time_ref=False), ab)
+    RES["total_s"] = elapsed()
+    save()
+    print(f"\nINT4 MoE A/B, read roof {roof / 1e12:.2f} TB/s: kernel time per call (profiler), % of the HBM floor")
+    print("| T | experts | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for T in tokens:
+        recs = [ab.get(f"{n}|T{T}", {}) for n in names]
+        cells = [f"{r['kernel_dev_us']:.1f} us ({r['pct_of_floor_dev']:.1f} %)" if "kernel_dev_us" in r
+                 else (f"{r['kernel_us']:.1f} us wall" if "kernel_us" in r else "error") for r in recs]
+        dist = next((r["distinct_experts"] for r in recs if "distinct_experts" in r), float("nan"))
+        print(f"| {T} | {dist:.1f} | " + " | ".join(cells) + " |")
 
 
 def print_crossover():

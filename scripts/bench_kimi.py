@@ -4,6 +4,7 @@ against the HBM floor, XLA command-buffer check, and a labelled projection to 61
   python3 scripts/bench_kimi.py --time-limit 390 --out $OUT/bench_kimi.json     # H200, ~7 min
   python3 scripts/bench_kimi.py --smoke --out /tmp/bench_kimi.json               # CPU check of this script
   python3 scripts/bench_kimi.py --project-from bench_kimi.json                   # recompute without a GPU
+  python3 scripts/bench_kimi.py --layers 3 ... --out l3.json; python3 scripts/bench_kimi.py ... --calibrate-with l3.json
 
 `--engine-batches 1,8` sends batch 8 through the Engine before any component case (default: batch 1 only,
 then components at batches 1, 128, 8, then the Engine at batch 8); `--engine-cases` / `--component-cases`
@@ -68,6 +69,15 @@ the tiny8 model on 8 simulated CPU devices with sharding.experiments): tp8 = 2 a
 layer (attention out, MLP/MoE out) + 1 (embedding) + 2 per drafter layer + 1 draft embedding + 3 for the
 vocab-parallel tree top-K + 2 for the acceptance argmax; ep8 = 1 all-reduce per MoE layer (attention,
 dense MLP and drafter replicated) + 1 + 1 + 3 + 2 (AR: no drafter/tree terms).
+
+Engine-calibrated projection (`--calibrate-with SHALLOW.json`, a run of this script on a slice with fewer MoE
+layers, same kernels, ideally the same device session): components pay a dispatch each and route a tree's
+tokens as random hidden states, so they overstate the Engine round. What one MoE layer adds to the real
+round is measured by difference, (round of this slice - round of the shallow slice) / (difference in MoE
+layers), per case both ran through the Engine; each case's parts are rescaled to it (f_layer = Engine layer /
+components layer, the same factor for the dense layer; f_round = the round's remainder / the components'
+per-round parts) and projected as above. The split between parts (which sets each part's device share)
+still comes from the components. Reported next to the components-only projection, not instead of it.
 """
 
 from __future__ import annotations
@@ -218,7 +228,7 @@ def build_slice(args) -> Slice:
     # smoke: TINY with D and F multiples of 128, so the planar expert path runs on CPU too
     small = dataclasses.replace(TINY, hidden_size=128, moe_intermediate_size=128, intermediate_size=256)
     cfg = dataclasses.replace(small if args.smoke else KIMI_K26, num_hidden_layers=n)
-    attn_impl = args.kernels or default_kernel_impl("tree_attention")
+    attn_impl = args.attn_impl or args.kernels or default_kernel_impl("tree_attention")
     moe_impl = args.kernels or default_kernel_impl("moe_int4")
     t = time.perf_counter()
     params = build_target_params(cfg, n, args.seed)
@@ -1136,8 +1146,50 @@ def collective_ms(plan: list, ndev: int, bw: float, lat_us: float) -> tuple[floa
     return t, n
 
 
-def project(result: dict, rows: list[dict], args) -> dict:
-    """PROJECTION: per-token time and tokens/s of the full model on 8x H200 (module docstring)."""
+def engine_calibration(deep: dict, shallow: dict) -> dict:
+    """What one MoE layer adds to a real Engine round: (round of the deep slice - round of the shallow slice) /
+    (their difference in MoE layers), per case both slices ran through the Engine. The two runs must use the
+    same kernels and drafter (same script, ideally the same device session)."""
+    ds, ss = deep["slice"], shallow["slice"]
+    for k in ("attn_impl", "moe_impl", "expert_layout", "drafter_layers", "block_size", "draft_window"):
+        if ds.get(k) != ss.get(k):
+            raise ValueError(f"--calibrate-with: the slices differ in {k} ({ds.get(k)!r} vs {ss.get(k)!r})")
+    dm, sm = ds["moe_layers"], ss["moe_layers"]
+    if dm <= sm:
+        raise ValueError(f"--calibrate-with needs a slice with fewer MoE layers ({sm} vs this run's {dm})")
+    sh = {case_key(r["method"], r["batch"], r["ctx"]): r for r in shallow.get("cases", [])}
+    cases = {}
+    for r in deep.get("cases", []):
+        k = case_key(r["method"], r["batch"], r["ctx"])
+        s = sh.get(k)
+        if s and r.get("round_ms") and s.get("round_ms"):
+            cases[k] = dict(deep_round_ms=r["round_ms"], shallow_round_ms=s["round_ms"],
+                            layer_ms=(r["round_ms"] - s["round_ms"]) / (dm - sm))
+    return dict(deep_moe_layers=dm, shallow_moe_layers=sm, shallow_command=shallow.get("command"),
+                shallow_date=shallow.get("date"), shallow_roof_bytes_per_s=shallow.get("roof_bytes_per_s"),
+                cases=cases)
+
+
+def calibrate_parts(P: dict, routed: float, info: dict, cal: dict) -> dict:
+    """Factors that rescale a case's component parts to its Engine round: f_layer = the Engine's per-MoE-layer
+    time / the components' MoE layer (routed-expert time scaled as the projection scales it), applied to the
+    dense layer too; f_round = the rest of the Engine round (round - layers) / the components' per-round
+    parts, or None where that rest is not positive (then the per-round parts stay as measured)."""
+    comp_layer = sum(v * (routed if c == "moe_routed" else 1.0) for c, v in P["moe_layer"].items())
+    comp_dense = sum(P["dense_layer"].values()) if P["dense_layer"] else comp_layer
+    comp_round = sum(P["round"].values())
+    f_layer = cal["layer_ms"] / comp_layer
+    n_dense = info["layers"] - info["moe_layers"]
+    rest = cal["deep_round_ms"] - info["moe_layers"] * cal["layer_ms"] - n_dense * comp_dense * f_layer
+    f_round = rest / comp_round if comp_round > 0 and rest > 0 else None
+    return dict(layer_ms_engine=cal["layer_ms"], layer_ms_components=comp_layer, f_layer=f_layer,
+                round_rest_ms_engine=rest, round_parts_ms_components=comp_round, f_round=f_round)
+
+
+def project(result: dict, rows: list[dict], args, calibration: dict | None = None) -> dict:
+    """PROJECTION: per-token time and tokens/s of the full model on 8x H200 (module docstring). With
+    `calibration` (engine_calibration): only the cases it covers, their parts rescaled to the Engine round
+    (calibrate_parts)."""
     info = result["slice"]
     cfg = info["cfg"]
     ndev, n_layers = 8, args.full_layers
@@ -1147,7 +1199,8 @@ def project(result: dict, rows: list[dict], args) -> dict:
     links = {"nvlink": (args.nvlink_gbs * 1e9, args.coll_latency_us_nvlink),
              "pcie": (args.pcie_gbs * 1e9, args.coll_latency_us_pcie)}
     al = dict(ar=1.0, **{k.strip(): float(v) for k, v in (kv.split("=") for kv in args.acceptance.split(",") if kv)})
-    out = dict(label="PROJECTION (not a measurement)", devices=ndev, layers=n_layers, context=ctx,
+    label = "PROJECTION (not a measurement)" + (", Engine-calibrated" if calibration else "")
+    out = dict(label=label, devices=ndev, layers=n_layers, context=ctx,
                acceptance_lengths=al, links={k: dict(gb_s=v[0] / 1e9, latency_us=v[1]) for k, v in links.items()},
                rows=[])
     for C in sorted({1, max(args.batches)}):
@@ -1167,9 +1220,19 @@ def project(result: dict, rows: list[dict], args) -> dict:
                     # the distinct-expert ratio (linear; the H200 kernel was 12 % slower than linear at a 24- vs
                     # 66-expert routing of 9 tokens, BENCHMARKS.md)
                     routed = r["distinct_batch"] / max(r.get("distinct_layer") or r["distinct_batch"], 1e-9)
-                    moe_l = sum(v * sh[c] * (routed if c == "moe_routed" else 1.0) for c, v in P["moe_layer"].items())
-                    dense_l = sum(v * sh[c] for c, v in P["dense_layer"].items()) if P["dense_layer"] else moe_l
-                    rnd = sum(v * sh.get(c if c != "other" else "round_other", 1.0) for c, v in P["round"].items())
+                    f_layer, f_round, cal = 1.0, 1.0, None
+                    if calibration is not None:
+                        c_case = calibration["cases"].get(r["key"])
+                        if c_case is None:
+                            row["missing"] = f"no Engine round of {r['key']} in both slices"
+                            out["rows"].append(row)
+                            continue
+                        cal = calibrate_parts(P, routed, info, c_case)
+                        f_layer, f_round = cal["f_layer"], cal["f_round"] or 1.0
+                    moe_l = f_layer * sum(v * sh[c] * (routed if c == "moe_routed" else 1.0)
+                                          for c, v in P["moe_layer"].items())
+                    dense_l = f_layer * sum(v * sh[c] for c, v in P["dense_layer"].items()) if P["dense_layer"] else moe_l
+                    rnd = f_round * sum(v * sh.get(c if c != "other" else "round_other", 1.0) for c, v in P["round"].items())
                     coll, ncoll = collective_ms(collective_plan(layout, method, C, r["width"], cfg, info, n_layers),
                                                 ndev, bw, lat)
                     layers_ms = n_moe * moe_l + (n_layers - n_moe) * dense_l
@@ -1179,12 +1242,12 @@ def project(result: dict, rows: list[dict], args) -> dict:
                                ms_per_token=t / al[method], tok_s_per_user=al[method] / t * 1e3,
                                tok_s=C * al[method] / t * 1e3,
                                experts_on_busiest_device=sh.get("experts_on_busiest_device"),
-                               routed_expert_time_scale=routed)
+                               routed_expert_time_scale=routed, calibration=cal)
                     out["rows"].append(row)
     return out
 
 
-def bars(rows: list[dict], proj: dict, ctx: int) -> list[dict]:
+def bars(rows: list[dict], proj: dict, ctx: int, proj_engine: dict | None = None) -> list[dict]:
     by = {(r["method"], r["batch"], r["ctx"]): r for r in rows}
     out = []
     for method, what in (("ar", "AR step, batch 1"), ("b8", "DDTree b8 verify, batch 1")):
@@ -1200,15 +1263,18 @@ def bars(rows: list[dict], proj: dict, ctx: int) -> list[dict]:
                         value=f"{r['layer_ms']:.3f} ms vs floor {r['floor']['ms']:.3f} ms = {r['layer_over_floor']:.2f}x "
                               f"(kernels alone {r['layer_kernel_ms'] / r['floor']['ms']:.2f}x; from {r['source']}){whole}",
                         status="met" if r["layer_over_floor"] <= 1.25 else "missed"))
-    best = [p for p in proj["rows"] if p["method"] == "b8" and p["concurrency"] == 1 and p["link"] == "nvlink"
-            and "tok_s" in p]
-    if best:
-        b = max(best, key=lambda p: p["tok_s"])
-        vals = ", ".join(f"{p['layout']} {p['tok_s']:.0f}" for p in best)
-        out.append(dict(bar="PROJECTED 8x H200 DDTree b8 at C=1 >= 500 tok/s", value=f"{vals} tok/s (NVLink)",
-                        status="met" if b["tok_s"] >= 500 else "missed"))
-    else:
-        out.append(dict(bar="PROJECTED 8x H200 DDTree b8 at C=1 >= 500 tok/s", status="not measured"))
+    for pr, how in ((proj, "from components"), (proj_engine, "Engine-calibrated")):
+        if pr is None:
+            continue
+        name = f"PROJECTED 8x H200 DDTree b8 at C=1 >= 500 tok/s ({how})"
+        best = [p for p in pr["rows"] if p["method"] == "b8" and p["concurrency"] == 1 and p["link"] == "nvlink"
+                and "tok_s" in p]
+        if best:
+            b = max(best, key=lambda p: p["tok_s"])
+            vals = ", ".join(f"{p['layout']} {p['tok_s']:.0f}" for p in best)
+            out.append(dict(bar=name, value=f"{vals} tok/s (NVLink)", status="met" if b["tok_s"] >= 500 else "missed"))
+        else:
+            out.append(dict(bar=name, status="not measured"))
     return out
 
 
@@ -1290,6 +1356,26 @@ def table(result: dict) -> str:
                       f"{p['layers_ms']:.2f} / {p['nonlayer_ms']:.2f} / {p['collectives_ms']:.2f} ({p['collectives']})",
                       f"{p['ms_per_token']:.3f}", f"{p['tok_s_per_user']:.0f}", f"{p['tok_s']:.0f}",
                       f"{p['source_case']} ({p['source']})"]))
+    pe = result.get("projection_engine")
+    if pe:
+        cal = result["calibration"]
+        L += ["", f"PROJECTION, Engine-calibrated (not a measurement): the same model with each case's parts rescaled "
+              f"to the real Engine round. Per MoE layer in the Engine = (round of this {cal['deep_moe_layers']}-MoE-layer "
+              f"slice - round of a {cal['shallow_moe_layers']}-MoE-layer slice) / {cal['deep_moe_layers'] - cal['shallow_moe_layers']} "
+              f"(shallow run: `{cal.get('shallow_command')}`); f_layer = that / the components' layer, f_round = the "
+              "round's remainder / the components' per-round parts.", ""]
+        L += _md_head(["layout", "link", "method", "C", "Engine layer ms (components)", "f_layer / f_round", "round ms",
+                       "layers / non-layer / collectives ms (count)", "ms per token", "tok/s total"])
+        for p in pe["rows"]:
+            if "tok_s" not in p:
+                L.append(_md([p["layout"], p["link"], p["method"], p["concurrency"], "-", "-", "-", "-", "-", p["missing"]]))
+                continue
+            c = p["calibration"]
+            L.append(_md([p["layout"], p["link"], p["method"], p["concurrency"],
+                          f"{c['layer_ms_engine']:.3f} ({c['layer_ms_components']:.3f})",
+                          f"{c['f_layer']:.2f} / {_f(c['f_round'], '.2f')}", f"{p['round_ms']:.3f}",
+                          f"{p['layers_ms']:.2f} / {p['nonlayer_ms']:.2f} / {p['collectives_ms']:.2f} ({p['collectives']})",
+                          f"{p['ms_per_token']:.3f}", f"{p['tok_s']:.0f}"]))
     L.append("")
     for b in result["bars"]:
         L.append(f"- {b['bar']}: **{b['status']}**" + (f" — {b['value']}" if "value" in b else ""))
@@ -1338,7 +1424,11 @@ def plot(result: dict, path: str):
 def finalize(result: dict, args) -> dict:
     result["summary"] = summarize(result)
     result["projection"] = project(result, result["summary"], args)
-    result["bars"] = bars(result["summary"], result["projection"], args.contexts[0])
+    if getattr(args, "calibrate_with", None):
+        with open(args.calibrate_with) as f:
+            result["calibration"] = engine_calibration(result, json.load(f))
+        result["projection_engine"] = project(result, result["summary"], args, result["calibration"])
+    result["bars"] = bars(result["summary"], result["projection"], args.contexts[0], result.get("projection_engine"))
     return result
 
 
@@ -1406,7 +1496,7 @@ class TimingGate:
 
 def child_argv(args) -> list[str]:
     """The parent's options, minus those the parent handles itself."""
-    skip = {"--out", "--project-from", "--time-limit"}
+    skip = {"--out", "--project-from", "--time-limit", "--calibrate-with"}
     out, it = [], iter(sys.argv[1:])
     for a in it:
         name = a.split("=", 1)[0]
@@ -1497,6 +1587,7 @@ def parse_args(argv=None):
                     "cases, first; default: the priority list (plan_cases)")
     ap.add_argument("--component-cases", default=None, help="same format; default: the whole grid, priority first")
     ap.add_argument("--kernels", default=None, help="xla | pallas (default: the engine's default)")
+    ap.add_argument("--attn-impl", default=None, help="tree attention only: auto | pallas | xla (overrides --kernels)")
     ap.add_argument("--expert-layout", default="kernel", choices=("kernel", "checkpoint"))
     ap.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the config's, 8)")
     ap.add_argument("--draft-window", type=int, default=None)
@@ -1522,6 +1613,8 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU check of this script")
     ap.add_argument("--out", default=None)
     ap.add_argument("--project-from", default=None, help="recompute projection, table and plot from a saved JSON")
+    ap.add_argument("--calibrate-with", default=None, help="JSON of a run of this script on a slice with fewer MoE "
+                    "layers: adds the Engine-calibrated projection (per-layer Engine time by difference)")
     # internal (the parent starts the children with these)
     ap.add_argument("--child", choices=("main", "xla"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)

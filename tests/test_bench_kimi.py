@@ -181,9 +181,33 @@ def test_profile_round_scopes():
     assert rec["stages"]["verify"]["n"] == 0.5 and rec["unattributed"]["ms"] == 0.002
 
 
-def test_profile_moe_block_runs_on_cpu(capsys):
-    import profile_moe_block
+def test_profile_block_runs_on_cpu(capsys):
+    import profile_block
 
-    profile_moe_block.main(["--tokens", "1,3"])
+    profile_block.main(["--block", "moe", "--tokens", "1,3"])
     out = capsys.readouterr().out
     assert "MoE impl interpret" in out and "N=1 tokens" in out and "N=3 tokens" in out
+    profile_block.main(["--block", "attn", "--cases", "1:64,5:37", "--attn-impl", "interpret"])
+    out = capsys.readouterr().out
+    assert "attention impl interpret, T=1 tokens over L=64" in out and "T=5 tokens over L=37" in out
+
+
+def test_engine_calibration():
+    sl = dict(attn_impl="auto", moe_impl="pallas", expert_layout="kernel", drafter_layers=6, block_size=8,
+              draft_window=None)
+    case = lambda r: dict(method="b8", batch=1, ctx=4096, round_ms=r)
+    deep = dict(slice=dict(sl, layers=9, moe_layers=8), cases=[case(8.0)])
+    shallow = dict(slice=dict(sl, layers=3, moe_layers=2), cases=[case(5.0), dict(case(1.0), method="ar")])
+    cal = bk.engine_calibration(deep, shallow)
+    assert list(cal["cases"]) == ["b8/B1/4k"] and cal["cases"]["b8/B1/4k"]["layer_ms"] == pytest.approx(0.5)
+    # parts: MoE layer 1.0 ms of components (0.6 of it routed, scaled by 0.5 -> 0.7), dense layer 0.5, round 2.0
+    P = dict(moe_layer=dict(attention=0.3, moe_routed=0.6, router=0.1), dense_layer=dict(attention=0.3, dense_mlp=0.2),
+             round=dict(drafter=1.5, tree=0.5))
+    c = bk.calibrate_parts(P, 0.5, dict(layers=9, moe_layers=8), cal["cases"]["b8/B1/4k"])
+    assert c["layer_ms_components"] == pytest.approx(0.7) and c["f_layer"] == pytest.approx(0.5 / 0.7)
+    # rest of the round: 8.0 - 8 x 0.5 - 1 x 0.5 x f_layer
+    assert c["f_round"] == pytest.approx((8.0 - 4.0 - 0.5 * 0.5 / 0.7) / 2.0)
+    with pytest.raises(ValueError, match="fewer MoE layers"):
+        bk.engine_calibration(shallow, deep)
+    with pytest.raises(ValueError, match="attn_impl"):
+        bk.engine_calibration(deep, dict(shallow, slice=dict(shallow["slice"], attn_impl="xla")))

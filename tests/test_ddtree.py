@@ -2,6 +2,7 @@
 
 import functools
 import heapq
+import os
 
 import jax
 import jax.numpy as jnp
@@ -180,3 +181,21 @@ def test_cap_one_is_the_chain():
     check_structure(jax.tree.map(lambda x: x[0], chain), 4)
 
 
+
+
+def test_chunked_top_k_equals_lax_top_k():
+    # random rows with ties across and inside slices, -inf entries and a length no slice width divides: the
+    # two-stage top-k must give lax.top_k's values and ids, equal values in ascending id order
+    from kimijax.spec.ddtree import chunked_top_k
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    x = rng.normal(size=(2, 3, 1001)).astype(np.float32)
+    x[0, 0, ::37] = 5.0
+    x[1, 2, 990:] = 7.0
+    x[0, 1, :500] = -np.inf
+    x = jnp.asarray(x)
+    for k in (1, 8, 16):
+        want = jax.lax.top_k(x, k)
+        for chunk in (0, 7, 64, 100, 512, 2000):
+            got = chunked_top_k(x, k, chunk)
+            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=f"k={k} chunk={chunk}")
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=f"k={k} chunk={chunk}")

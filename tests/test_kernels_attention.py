@@ -65,9 +65,10 @@ def test_auto_picks_per_measured_shape(monkeypatch):
     # the H200 crossover (BENCHMARKS.md): kernel at small B*T*L, reference once compute-bound, kernel again
     # when the reference's f32 scores would pass 2 GiB
     H = 64
-    for B, L, T in ((1, 4096, 1), (1, 4096, 9), (1, 4096, 17), (1, 32768, 1), (32, 4096, 1)):
+    for B, L, T in ((1, 4096, 1), (1, 4096, 9), (1, 32768, 1), (32, 4096, 1)):
         assert not ta.auto_uses_reference(B, T, H, L), (B, L, T)
-    for B, L, T in ((1, 32768, 9), (32, 4096, 9), (128, 2048, 9), (1, 131072, 17)):
+    # ... and from T = 17 (by kernel time inside a round)
+    for B, L, T in ((1, 32768, 9), (32, 4096, 9), (128, 2048, 9), (1, 131072, 17), (1, 4096, 17), (1, 2048, 33)):
         assert ta.auto_uses_reference(B, T, H, L), (B, L, T)
     assert not ta.auto_uses_reference(128, 17, H, 32768)  # 18 GB of scores
     # the dispatch: the reference where it picks it, bit for bit; else the kernel

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -204,10 +205,42 @@ def build_tree(draft_logits_LV, budget: int, topk_cap: int | None = None) -> Tre
     return build_tree_from_topk(top_logp_LK, top_tokens_LK, budget)
 
 
-def topk_logprobs(draft_logits_V, K: int):
+# `chunked_top_k` on the GPU for at most TOPK_CHUNK_MAX_ROWS rows (B x depths), in slices of TOPK_CHUNK: XLA sorts
+# each whole row for lax.top_k, and many short rows sort faster while there are few rows. H200 kernel time
+# (scripts/bench_topk.py, BENCHMARKS.md "Tree top-K"): Kimi 1x7x163840 K=8 158 -> 76 us, K=16 327 -> 122 us;
+# SmolLM2 1x15x49152 K=16 160 -> 86 us; but 8x7x163840 K=8 197 -> 412 us (too many rows), hence the row cap.
+TOPK_CHUNK = 512
+TOPK_CHUNK_MAX_ROWS = 16
+
+
+def default_topk_chunk(rows: int) -> int:
+    """Slice width `chunked_top_k` uses for `rows` rows by default (0: one lax.top_k per row)."""
+    return TOPK_CHUNK if jax.default_backend() == "gpu" and rows <= TOPK_CHUNK_MAX_ROWS else 0
+
+
+def chunked_top_k(x, k: int, chunk: int | None = None):
+    """lax.top_k over the last axis of a float array in two stages: the top-k of each `chunk`-wide slice, then the
+    top-k of those candidates.  Same values and indices as lax.top_k: the global top-k lies in the union of the
+    slices' top-k, and equal values keep ascending index order (slices are contiguous and taken in order;
+    padding is -inf at the end, after every real index).  chunk None: `default_topk_chunk`; 0: lax.top_k."""
+    if chunk is None:
+        chunk = default_topk_chunk(math.prod(x.shape[:-1]))
+    n = x.shape[-1]
+    if not chunk or n <= chunk or k > chunk:
+        return jax.lax.top_k(x, k)
+    c = -(-n // chunk)
+    if c * chunk > n:
+        x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (c * chunk - n,), -jnp.inf, x.dtype)], axis=-1)
+    v, i = jax.lax.top_k(x.reshape(x.shape[:-1] + (c, chunk)), k)  # [..., c, k]
+    i = i + jnp.arange(c, dtype=i.dtype)[:, None] * chunk
+    v, pos = jax.lax.top_k(v.reshape(x.shape[:-1] + (c * k,)), k)
+    return v, jnp.take_along_axis(i.reshape(x.shape[:-1] + (c * k,)), pos, axis=-1)
+
+
+def topk_logprobs(draft_logits_V, K: int, chunk: int | None = None):
     """Per-depth top-K of the T=1 log-softmax of raw draft logits [..., V] (tree scores ignore the request
-    temperature). lax.top_k returns equal values in ascending index order, the per-depth rank tie-break."""
-    return jax.lax.top_k(jax.nn.log_softmax(draft_logits_V.astype(jnp.float32), axis=-1), K)
+    temperature). Equal values come in ascending index order (as lax.top_k), the per-depth rank tie-break."""
+    return chunked_top_k(jax.nn.log_softmax(draft_logits_V.astype(jnp.float32), axis=-1), K, chunk)
 
 
 def build_tree_batched(draft_logits_BLV, budget: int, topk_cap: int | None = None) -> Tree:
