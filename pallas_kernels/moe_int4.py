@@ -64,6 +64,7 @@ from jax.experimental.pallas import triton as pltriton  # Triton lowering (depre
 
 from kimijax.quant import dequantize
 from pallas_kernels.moe_layout import SB, TILE_DN, TILE_GU, dequant_expert, relayout_for_kernel
+from pallas_kernels.tree_attention import next_pow2
 
 NB = 16  # token columns per chunk (tensor-core N)
 BF16_STEP = 128  # inputs per step of the bf16-weight variant
@@ -124,10 +125,6 @@ def moe_ref(x_TD, ids_TK, w_TK, experts: dict):
 # ----------------------------------------------------------------------------------------------
 # Pallas kernels
 # ----------------------------------------------------------------------------------------------
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _mm(a, b, f32_operands):
@@ -485,7 +482,7 @@ def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None,
     SPS_dn = _fit_steps(F // SB, steps)
     P = T * K
     dense = T <= min(dense_max_tokens, NB)
-    Kp = _next_pow2(K)
+    Kp = next_pow2(K)
     ids_TK = ids_TK.astype(jnp.int32)
     w_TK = w_TK.astype(jnp.float32)
     if dense:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from kimijax.spec.ddtree import topk_logprobs as ddtree_topk_logprobs
+from kimijax.spec.ddtree import chunked_top_k, topk_logprobs as ddtree_topk_logprobs
 from sharding.mesh import mesh_sizes
 from sharding.rules import LOGICAL_RULES, batch_axis
 
@@ -46,7 +46,7 @@ def topk_logprobs(logits_BLV, K: int, mesh: Mesh | None):
         m = lax.pmax(jnp.max(lg, axis=-1, keepdims=True), ax)
         shifted = lg - m
         lse = jnp.log(lax.psum(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True), ax))
-        v, i = lax.top_k(shifted - lse, k_loc)
+        v, i = chunked_top_k(shifted - lse, k_loc)  # sliced on the GPU for few rows (ddtree.TOPK_CHUNK)
         gi = i.astype(jnp.int32) + lax.axis_index(ax).astype(jnp.int32) * Vl
         allv = lax.all_gather(v, ax, axis=v.ndim - 1, tiled=True)  # [b, L, n*k_loc], shard order
         alli = lax.all_gather(gi, ax, axis=gi.ndim - 1, tiled=True)

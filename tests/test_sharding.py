@@ -132,7 +132,9 @@ def test_greedy_ddtree_matches_single_device(ref, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp4ep2"])
-def test_vocab_parallel_topk_gives_the_same_tree(layout):
+@pytest.mark.parametrize("chunk", [0, 16])  # 16: each shard's 64 ids in sliced top-K (the GPU path for few rows)
+def test_vocab_parallel_topk_gives_the_same_tree(layout, chunk, monkeypatch):
+    monkeypatch.setattr(ddtree, "default_topk_chunk", lambda rows: chunk)
     mesh = make_mesh(layout)
     logits = jax.random.normal(jax.random.PRNGKey(0), (4, 3, 512)) * 3
     logits = logits.at[0, 0, 500].set(logits[0, 0, 3])  # an exact tie across vocab shards
