@@ -10,7 +10,6 @@ sees finished chunks (that is also the streaming granularity).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Iterator, Sequence
 

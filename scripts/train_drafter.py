@@ -32,7 +32,6 @@ import ast
 import dataclasses
 import json
 import math
-import os
 import sys
 import sysconfig
 import time

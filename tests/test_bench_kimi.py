@@ -1,5 +1,5 @@
-"""scripts/bench_kimi.py: its pure helpers, and one --smoke run end to end on CPU (parent + main child + one
-XLA-flag child, then --project-from on the saved JSON)."""
+"""scripts/bench_kimi.py and its report module scripts/kimi_report.py: pure helpers, and one --smoke run end to
+end on CPU (parent + main child + one XLA-flag child, then --project-from on the saved JSON)."""
 
 import json
 import os
@@ -14,6 +14,7 @@ SCRIPT = os.path.join(ROOT, "scripts", "bench_kimi.py")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench_kimi as bk  # noqa: E402
+import kimi_report as kr  # noqa: E402
 
 
 def test_scope_category():
@@ -74,17 +75,17 @@ def test_command_buffer_stats():
 
 
 def test_projection_helpers():
-    assert bk._binom_max_mean(48, 0.0, 8) == 0.0
-    m = bk._binom_max_mean(48, 0.25, 8)
+    assert kr._binom_max_mean(48, 0.0, 8) == 0.0
+    m = kr._binom_max_mean(48, 0.25, 8)
     assert 12 < m < 20  # mean 12 per device; the busiest of 8 is above it
     cfg = dict(hidden_size=7168, first_k_dense_replace=1)
     info = dict(block_size=8, drafter_layers=6)
-    tp = bk.collective_plan("tp8", "b8", 1, 9, cfg, info, 61)
-    ep = bk.collective_plan("ep8", "b8", 1, 9, cfg, info, 61)
+    tp = kr.collective_plan("tp8", "b8", 1, 9, cfg, info, 61)
+    ep = kr.collective_plan("ep8", "b8", 1, 9, cfg, info, 61)
     assert sum(c for _, _, c in tp) == 2 * 61 + 1 + 13 + 2 + 1 + 2
     assert sum(c for _, _, c in ep) == 60 + 1 + 1 + 2 + 1 + 2
-    assert sum(c for _, _, c in bk.collective_plan("tp8", "ar", 1, 1, cfg, info, 61)) == 2 * 61 + 1 + 2
-    ms, n = bk.collective_ms([("all-reduce", 0, 10)], 8, 900e9, 10.0)
+    assert sum(c for _, _, c in kr.collective_plan("tp8", "ar", 1, 1, cfg, info, 61)) == 2 * 61 + 1 + 2
+    ms, n = kr.collective_ms([("all-reduce", 0, 10)], 8, 900e9, 10.0)
     assert n == 10 and ms == pytest.approx(0.1)
 
 
@@ -141,11 +142,11 @@ def test_smoke_end_to_end(tmp_path):
     res3 = json.loads(out.read_text())
     res3["cases"][0].pop("profile")
     res3["cases"][0]["distinct_experts_per_layer"] = [1.0] * res["slice"]["moe_layers"]
-    (row,) = [x for x in bk.summarize(res3) if x["method"] == "b4"]
+    (row,) = [x for x in kr.summarize(res3) if x["method"] == "b4"]
     assert row["source"] == "components" and row["distinct_batch"] == 1.0
     assert row["distinct_layer"] == row["floor"]["distinct"] == comp["distinct_experts_batch"]
     args = bk.parse_args(["--smoke"])
-    scaled = [p for p in bk.project(res3, [row], args)["rows"] if "routed_expert_time_scale" in p]
+    scaled = [p for p in kr.project(res3, [row], args)["rows"] if "routed_expert_time_scale" in p]
     assert scaled and all(p["routed_expert_time_scale"] == pytest.approx(1.0 / comp["distinct_experts_batch"])
                           for p in scaled)
 
@@ -198,16 +199,16 @@ def test_engine_calibration():
     case = lambda r: dict(method="b8", batch=1, ctx=4096, round_ms=r)
     deep = dict(slice=dict(sl, layers=9, moe_layers=8), cases=[case(8.0)])
     shallow = dict(slice=dict(sl, layers=3, moe_layers=2), cases=[case(5.0), dict(case(1.0), method="ar")])
-    cal = bk.engine_calibration(deep, shallow)
+    cal = kr.engine_calibration(deep, shallow)
     assert list(cal["cases"]) == ["b8/B1/4k"] and cal["cases"]["b8/B1/4k"]["layer_ms"] == pytest.approx(0.5)
     # parts: MoE layer 1.0 ms of components (0.6 of it routed, scaled by 0.5 -> 0.7), dense layer 0.5, round 2.0
     P = dict(moe_layer=dict(attention=0.3, moe_routed=0.6, router=0.1), dense_layer=dict(attention=0.3, dense_mlp=0.2),
              round=dict(drafter=1.5, tree=0.5))
-    c = bk.calibrate_parts(P, 0.5, dict(layers=9, moe_layers=8), cal["cases"]["b8/B1/4k"])
+    c = kr.calibrate_parts(P, 0.5, dict(layers=9, moe_layers=8), cal["cases"]["b8/B1/4k"])
     assert c["layer_ms_components"] == pytest.approx(0.7) and c["f_layer"] == pytest.approx(0.5 / 0.7)
     # rest of the round: 8.0 - 8 x 0.5 - 1 x 0.5 x f_layer
     assert c["f_round"] == pytest.approx((8.0 - 4.0 - 0.5 * 0.5 / 0.7) / 2.0)
     with pytest.raises(ValueError, match="fewer MoE layers"):
-        bk.engine_calibration(shallow, deep)
+        kr.engine_calibration(shallow, deep)
     with pytest.raises(ValueError, match="attn_impl"):
-        bk.engine_calibration(deep, dict(shallow, slice=dict(shallow["slice"], attn_impl="xla")))
+        kr.engine_calibration(deep, dict(shallow, slice=dict(shallow["slice"], attn_impl="xla")))

@@ -1,6 +1,5 @@
 """Config parsing (both HF layouts, unsupported fields), YaRN constants, INT4 layout."""
 import dataclasses
-import math
 
 import jax.numpy as jnp
 import numpy as np

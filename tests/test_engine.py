@@ -1,7 +1,6 @@
 """AR engine: greedy == teacher-forced argmax, batching with ragged prompts, stops, seeded sampling, errors."""
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 

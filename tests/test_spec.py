@@ -1,7 +1,6 @@
 """Speculative decoding end to end through the Engine: lossless for greedy (token for token against the
 teacher-forced target) and for sampling (exact distribution, chi-square), with real and oracle drafters."""
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
