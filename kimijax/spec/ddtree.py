@@ -222,7 +222,8 @@ def chunked_top_k(x, k: int, chunk: int | None = None):
     """lax.top_k over the last axis of a float array in two stages: the top-k of each `chunk`-wide slice, then the
     top-k of those candidates.  Same values and indices as lax.top_k: the global top-k lies in the union of the
     slices' top-k, and equal values keep ascending index order (slices are contiguous and taken in order;
-    padding is -inf at the end, after every real index).  chunk None: `default_topk_chunk`; 0: lax.top_k."""
+    padding is -inf at the end, after every real index).  chunk None: `default_topk_chunk` of the rows this call
+    sees (under vmap, one mapped call's rows: the Engine calls it on the whole [B, L, V]); 0: lax.top_k."""
     if chunk is None:
         chunk = default_topk_chunk(math.prod(x.shape[:-1]))
     n = x.shape[-1]
