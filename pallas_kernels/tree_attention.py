@@ -75,8 +75,8 @@ def default_impl() -> str:
 # inside one compiled round kernel time decides, and there the reference also wins from T = 17 tokens (b16
 # verify) up: B=1 L=4k T=17, the whole MLA block 139 vs 163 us of kernels and the 5-layer Engine b16 round
 # 8.40 vs 8.53 ms (BENCHMARKS.md, "MLA attention block per kernel, and "auto" inside the Engine"), so
-# T >= AUTO_XLA_MIN_T also picks the reference.  At
-# T = 9 the evidence is mixed (block 123 vs 127 us, Engine round 6.85 vs 6.73 ms), at T = 1 the kernel wins.
+# T >= AUTO_XLA_MIN_T also picks the reference.  At T = 9 the evidence is mixed (block 123 vs 127 us, Engine
+# round 6.85 vs 6.73 ms), at T = 1 the kernel wins.
 AUTO_XLA_MIN_WORK = (1 << 18) * 64
 AUTO_XLA_MIN_T = 17
 AUTO_MAX_SCORE_BYTES = 2 << 30
