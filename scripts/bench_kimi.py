@@ -66,9 +66,10 @@ fixed latency per collective of 10 us (NVLink) / 30 us (PCIe) (`--coll-latency-u
 for AR and DDTree b8/b16 with acceptance lengths 4.48 and 5.3 (`--acceptance`), from the slice's batch-C cases
 at the first context. Collectives per round (static counts of kimijax's own layouts, checked against the HLO of
 the tiny8 model on 8 simulated CPU devices with sharding.experiments): tp8 = 2 all-reduces of [B*T, D] per layer
-(attention out, MLP/MoE out) + 1 (embedding) + 2 per drafter layer + 1 draft embedding + 3 for the vocab-
-parallel tree top-K + 2 for the acceptance argmax; ep8 = 1 all-reduce per MoE layer (attention, dense MLP and
-drafter replicated) + 1 + 1 + 3 + 2 (AR: no drafter/tree terms).
+(attention out, MLP/MoE out) + 1 (embedding) + 2 per drafter layer + 1 draft embedding + 1 for the drafter's
+context projection (fc split over "tensor", sharding/drafter_fc.py) + 3 for the vocab-parallel tree top-K + 2
+for the acceptance argmax; ep8 = 1 all-reduce per MoE layer (attention, dense MLP and drafter replicated) + 1 +
+1 + 3 + 2 (AR: no drafter/tree terms).
 
 Engine-calibrated projection (`--calibrate-with SHALLOW.json`, a run of this script on a slice with fewer MoE
 layers, same kernels, ideally the same device session): components pay a dispatch each and route a tree's

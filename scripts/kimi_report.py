@@ -201,7 +201,7 @@ def device_shares(cfg: dict, layout: str, B: int, S: int, distinct: float, ndev:
         drafter = (dr_block / ndev + dr_cache / ndev + kb["head"] / ndev) / (dr_block + dr_cache + kb["head"])
         return dict(attention=attn, router=1.0, moe_routed=1 / ndev, moe_shared=1 / ndev, dense_mlp=1 / ndev,
                     other=1.0, gap=1.0, lm_head=1 / ndev, embed=1.0, drafter=drafter, tree=1.0,
-                    accept=1 / ndev, commit=1.0, round_other=1.0)
+                    accept=1 / ndev, commit=1 / ndev, round_other=1.0)  # commit: fc and K/V split (drafter.on_mesh)
     e_loc = E // ndev
     worst = _binom_max_mean(e_loc, min(distinct / E, 1.0), ndev) if distinct > 0 else 0.0
     drafter = (dr_block + dr_cache + kb["head"] / ndev) / (dr_block + dr_cache + kb["head"])
@@ -223,6 +223,7 @@ def collective_plan(layout: str, method: str, B: int, T: int, cfg: dict, info: d
         plan.append(("all-reduce", act, 2 * n_layers + 1))
         if spec:
             plan.append(("all-reduce", B * bs * D * 2, 2 * info["drafter_layers"] + 1))
+            plan.append(("all-reduce", B * bs * D * 4, 1))  # the context step's fc psum (f32, sharding/drafter_fc.py)
     else:
         plan.append(("all-reduce", act, n_moe + 1))
         if spec:

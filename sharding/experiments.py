@@ -98,16 +98,13 @@ def build_target(model: str, mesh, layout: str, dtype: str | None, seed: int, di
 
 
 def build_drafter(path: str | None, target, mesh, block_size: int, seed: int):
-    import jax
     from kimijax.models.drafter import load_drafter, random_drafter
-    from sharding.rules import drafter_shardings
 
     if path:
         d = load_drafter(path, target)
     else:
         d = random_drafter(small_drafter_config(target.cfg, block_size), target, seed=seed + 1)
-    d.params = jax.device_put(d.params, drafter_shardings(d.cfg, mesh))
-    return d
+    return d.on_mesh(mesh)
 
 
 def run_layout(layout: str, args, devices) -> dict:

@@ -9,6 +9,8 @@ One table serves every layout; the mesh shape selects the layout (an axis of siz
   mlp                              tensor               dense MLP and shared-expert hidden dim
   expert                           expert               routed experts (INT4 words and scales)
   expert_mlp[_packed|_groups]      tensor               each routed expert's hidden dim F (TP-MoE)
+  draft_features                   tensor               the drafter fc's input (target features; the product is
+                                                        psum'ed in sharding/drafter_fc.py)
   everything else                  replicated           norms, q_a / kv_a (the latent is replicated), D
 
 Overrides: the router (`mlp/gate` [E, D], `mlp/e_score_correction_bias` [E]) is replicated although its
@@ -40,6 +42,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "expert_mlp": ("tensor",),
     "expert_mlp_packed": ("tensor",),
     "expert_mlp_groups": ("tensor",),
+    "draft_features": ("tensor",),
 }
 # Parameter paths (suffixes, "/"-joined) kept replicated whatever their logical axes say.
 REPLICATED_PARAMS: tuple[str, ...] = ("mlp/gate", "mlp/e_score_correction_bias")

@@ -82,7 +82,7 @@ def test_projection_helpers():
     info = dict(block_size=8, drafter_layers=6)
     tp = kr.collective_plan("tp8", "b8", 1, 9, cfg, info, 61)
     ep = kr.collective_plan("ep8", "b8", 1, 9, cfg, info, 61)
-    assert sum(c for _, _, c in tp) == 2 * 61 + 1 + 13 + 2 + 1 + 2
+    assert sum(c for _, _, c in tp) == 2 * 61 + 1 + 13 + 1 + 2 + 1 + 2  # + 1: the drafter fc's psum
     assert sum(c for _, _, c in ep) == 60 + 1 + 1 + 2 + 1 + 2
     assert sum(c for _, _, c in kr.collective_plan("tp8", "ar", 1, 1, cfg, info, 61)) == 2 * 61 + 1 + 2
     ms, n = kr.collective_ms([("all-reduce", 0, 10)], 8, 900e9, 10.0)

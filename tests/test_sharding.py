@@ -20,7 +20,6 @@ from kimijax.target import KimiTarget, random_kimi_params
 from sharding import ShardingError, make_mesh, param_shardings, parse_layout
 from sharding.experiments import small_drafter_config, tiny8_config
 from sharding.hlo import collectives
-from sharding.rules import drafter_shardings
 from sharding.vocab import topk_logprobs
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: "
@@ -126,7 +125,7 @@ def test_moe_dispatch_variants_match(ref, layout, dispatch):
 def test_greedy_ddtree_matches_single_device(ref, layout):
     mesh, t = _on(ref, layout)
     d = ref["drafter"]
-    d = dataclasses.replace(d, params=jax.device_put(d.params, drafter_shardings(d.cfg, mesh)))
+    d = d.on_mesh(mesh)
     res = Engine(t, d, method="ddtree", budget=4).generate(ref["prompts"], max_new_tokens=8, stop_ids=[])
     assert [r.tokens for r in res] == ref["greedy"]
 
@@ -262,3 +261,24 @@ def test_kernel_expert_layout_on_a_mesh(layout):
     assert resolve_expert_layout(cfg, "interpret", make_mesh("tp4ep2")) == "checkpoint"  # 256 / 4 = 64 rows
     t4 = t.on_mesh(make_mesh("tp4ep2"), "tp4ep2")
     assert t4.expert_layout == "checkpoint" and "gate_packed" in t4.params["layers_1"]["mlp"]
+
+
+@pytest.mark.parametrize("layout", ["tp8", "tp4ep2"])
+def test_drafter_fc_split_over_tensor(ref, layout):
+    # on_mesh splits fc's input over "tensor" and the context projection is one psum: rows equal the
+    # single-device drafter's (f32 model: up to summation order), fc bytes per device 1/tp
+    from sharding.drafter_fc import fc_axis
+    mesh = make_mesh(layout)
+    d = ref["drafter"]
+    dm = d.on_mesh(mesh)
+    fc = dm.params["fc"]
+    assert fc_axis(mesh, fc.shape[1]) == "tensor"
+    tp = mesh.shape["tensor"]
+    assert {s.data.nbytes for s in fc.addressable_shards} == {fc.nbytes // tp}
+    rng = np.random.default_rng(3)
+    feats = jnp.asarray(rng.normal(size=(d.cfg.num_features, 2, 5, d.cfg.hidden_size)), d.dtype)
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    want = d.context_kv(d.params, feats, pos)
+    got = jax.jit(dm.context_kv)(dm.params, feats, pos)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)

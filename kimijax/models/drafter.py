@@ -140,13 +140,13 @@ class DFlash(nn.Module):
         inv, amp = self.cfg.rope_tables()
         return rope_cos_sin(positions_BT, inv, amp)
 
-    def project_context(self, feats_BTF):
-        return self.hidden_norm(jnp.einsum("btf,df->btd", feats_BTF.astype(self.dtype), self.fc))
-
-    def context_kv(self, feats_BTF, positions_BT):
-        """Fused target features -> per-layer context rows [B, T, 2, k, e]."""
+    def context_kv(self, feats_BTF, positions_BT, fc_out_BTD=None):
+        """Fused target features -> per-layer context rows [B, T, 2, k, e]. fc_out_BTD: feats x fc computed
+        outside (a tensor-split fc, sharding/drafter_fc.py), else computed here."""
         with jax.named_scope("drafter_context"):
-            ctx_BTD = self.project_context(feats_BTF)
+            if fc_out_BTD is None:
+                fc_out_BTD = jnp.einsum("btf,df->btd", feats_BTF.astype(self.dtype), self.fc)
+            ctx_BTD = self.hidden_norm(fc_out_BTD.astype(self.dtype))
             cos, sin = self._rope(positions_BT)
             return [layer.context_kv(ctx_BTD, cos, sin) for layer in self.layers]
 
@@ -195,9 +195,17 @@ class Drafter:
     params: Any
     source: str = ""
     random_weights: bool = False
+    mesh: Any = None  # set by on_mesh: params on it by sharding.rules; fc's input split over "tensor"
 
     def __post_init__(self):
         self.module = DFlash(self.cfg)
+
+    def on_mesh(self, mesh) -> "Drafter":
+        """This drafter on a device mesh: params placed by sharding.rules (drafter_shardings), and the context
+        projection through sharding/drafter_fc.py where fc's input dimension is split."""
+        from sharding.rules import drafter_shardings
+        return dataclasses.replace(self, params=jax.device_put(self.params, drafter_shardings(self.cfg, mesh)),
+                                   mesh=mesh)
 
     @property
     def dtype(self):
@@ -231,7 +239,12 @@ class Drafter:
             raise DrafterError(f"context features {feats_nBTD.shape}: expected [{self.cfg.num_features}, B, T, "
                                f"{self.cfg.hidden_size}]")
         feats_BTF = jnp.moveaxis(feats_nBTD, 0, 2).reshape(B, T, nL * D)  # concat in target_layer_ids order
-        return self.module.apply({"params": dparams}, feats_BTF, positions_BT.astype(jnp.int32),
+        fc_out = None
+        if self.mesh is not None:
+            from sharding.drafter_fc import fc_axis, project_features
+            if fc_axis(self.mesh, nL * D):
+                fc_out = project_features(feats_BTF, dparams["fc"], self.mesh)
+        return self.module.apply({"params": dparams}, feats_BTF, positions_BT.astype(jnp.int32), fc_out,
                                  method=DFlash.context_kv)
 
     def append_context(self, dcache, kv_rows, start_B):
