@@ -21,7 +21,6 @@ Writes $OUT/bench_kernels.json (updated after every case) and prints a table las
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import json
 import math
@@ -39,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels import moe_int4 as mi  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
-from timing import profile_events  # noqa: E402
+from timing import time_jit_sets  # noqa: E402
 
 T0 = time.time()
 SMALL = os.environ.get("BENCH_SMALL") == "1"  # CPU dry run of this script: tiny shapes, interpret mode
@@ -75,25 +74,11 @@ def time_calls(fn, arg_sets, reps, rec=None, prefix="kernel"):
     and the per-kernel split rec[prefix + "_kernels_us"]: wall time per call includes the host's dispatch of
     each launch, which exceeds the kernels' own time at small sizes (measured 2026-12-03 night: ~110 us of
     the 215 us wall time of the MoE at T=1 was not kernel time)."""
-    multi = jax.jit(lambda sets: [fn(*s) for s in sets])
-    t = time.perf_counter()
-    jax.block_until_ready(multi(arg_sets))
-    t_compile = time.perf_counter() - t
-    jax.block_until_ready(multi(arg_sets))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(multi(arg_sets))
-        ts.append(time.perf_counter() - t)
-    if rec is not None and not INTERPRET:
-        n = 3
-        dev, _ = profile_events(lambda: [jax.block_until_ready(multi(arg_sets)) for _ in range(n)])
-        per = collections.defaultdict(float)
-        for _op, _mod, ns, ev in dev:
-            per[ev] += ns / 1e3 / (n * len(arg_sets))
-        rec[prefix + "_dev_us"] = sum(per.values())
-        rec[prefix + "_kernels_us"] = dict(sorted(per.items(), key=lambda kv: -kv[1])[:6])
-    return statistics.median(ts) / len(arg_sets), t_compile
+    t = time_jit_sets(fn, arg_sets, reps, profile_runs=3 if rec is not None and not INTERPRET else 0)
+    if "kernel_us" in t:
+        rec[prefix + "_dev_us"] = t["kernel_us"]
+        rec[prefix + "_kernels_us"] = t["kernels_us"]
+    return t["wall_s"], t["compile_s"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,10 +175,12 @@ MOE_CONFIGS = {  # left-out options = the kernel's defaults (blocks 64 / 128, 1 
     "default": dict(),
     "steps2": dict(steps=2),  # 2 superblocks per loop iteration
     "stages4": dict(num_stages=4),
-    "stages5": dict(num_stages=5),  # deeper pipelines: more bytes in flight when few programs run (T = 1)
-    "stages6": dict(num_stages=6),
-    "blocks32_s5": dict(block_f=32, block_d=64, num_stages=5),
 }
+# `--moe-ab` only (measured and refuted 2026-12-04, BENCHMARKS.md "INT4 MoE: variants tried"): not swept by default
+MOE_AB_CONFIGS = dict(MOE_CONFIGS,
+                      stages5=dict(num_stages=5),  # deeper pipelines: more bytes in flight when few programs run
+                      stages6=dict(num_stages=6),
+                      blocks32_s5=dict(block_f=32, block_d=64, num_stages=5))
 # Measured out earlier (BENCHMARKS.md, 2026-12-03 runs 1-3; since removed from the kernel): transposed bf16
 # scales (unpipelined 16-bit loads), scales applied to each plane's f32 dot, untiled words, 128-row blocks.
 
@@ -350,7 +337,7 @@ def main():
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later optional parts are skipped")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", choices=["moe", "attn", "attn-crossover"], default=None)
-    ap.add_argument("--moe-ab", default=None, help="CONFIG,CONFIG,...: only time these MOE_CONFIGS against each other "
+    ap.add_argument("--moe-ab", default=None, help="CONFIG,CONFIG,...: only time these MOE_AB_CONFIGS against each other "
                                                    "at --moe-tokens (kernel time), print a table, stop")
     ap.add_argument("--moe-tokens", default="1,9,17,33")
     args = ap.parse_args()
@@ -446,7 +433,7 @@ def moe_ab(roof, names, tokens):
     ab = RES.setdefault("moe_ab", {})
     for T in tokens:
         for n in names:
-            guarded(f"{n}|T{T}", lambda: moe_case(f"moe int4 {n} T={T}", T, kern, BYTES_INT4, roof, MOE_CONFIGS[n],
+            guarded(f"{n}|T{T}", lambda: moe_case(f"moe int4 {n} T={T}", T, kern, BYTES_INT4, roof, MOE_AB_CONFIGS[n],
                                                   ref_experts=ckpt, time_ref=False), ab)
     RES["total_s"] = elapsed()
     save()

@@ -11,11 +11,8 @@ from the profiler. No HBM roof: [L, V] f32 rows are at most a few MB (L2-residen
 from __future__ import annotations
 
 import argparse
-import collections
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,27 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kimijax.spec.ddtree import topk_logprobs  # noqa: E402
-from timing import profile_events  # noqa: E402
-
-
-def time_variant(fn, sets, reps: int = 20) -> tuple[float, float | None]:
-    """(wall us per call, kernel us per call or None off the GPU) of fn over the input sets in one jit."""
-    multi = jax.jit(lambda xs: [fn(x) for x in xs])
-    jax.block_until_ready(multi(sets))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(multi(sets))
-        ts.append(time.perf_counter() - t)
-    wall = statistics.median(ts) / len(sets) * 1e6
-    if jax.default_backend() != "gpu":
-        return wall, None
-    n = 3
-    dev, _ = profile_events(lambda: [jax.block_until_ready(multi(sets)) for _ in range(n)])
-    per = collections.defaultdict(float)
-    for _op, _mod, ns, ev in dev:
-        per[ev] += ns / 1e3 / (n * len(sets))
-    return wall, sum(per.values())
+from timing import time_jit_sets  # noqa: E402
 
 
 def main(argv=None):
@@ -75,8 +52,8 @@ def main(argv=None):
                 if not (np.array_equal(np.asarray(v), np.asarray(ref_v)) and np.array_equal(np.asarray(i), np.asarray(ref_i))):
                     cells.append("MISMATCH")
                     continue
-                wall, kern = time_variant(fn, sets)
-                cells.append(f"{wall:.1f}" + (f" / {kern:.1f}" if kern is not None else ""))
+                t = time_jit_sets(fn, [(x,) for x in sets], reps=20)
+                cells.append(f"{t['wall_s'] * 1e6:.1f}" + (f" / {t['kernel_us']:.1f}" if "kernel_us" in t else ""))
             print(f"| {B}x{L}x{V} | {K} | " + " | ".join(cells) + " |", flush=True)
 
 

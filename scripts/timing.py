@@ -29,6 +29,31 @@ def median_time(fn, *args, reps: int = 20, warmup: int = 2) -> float:
     return float(np.median(ts))
 
 
+def time_jit_sets(fn, arg_sets, reps: int = 10, profile_runs: int = 3) -> dict:
+    """fn(*args) for each args in arg_sets inside one jit, timed back to back. -> wall_s (median seconds per
+    call), compile_s, and on the GPU (profile_runs > 0) kernel_us (the profiler's device time per call) and
+    kernels_us (the six largest kernels by name, us per call)."""
+    multi = jax.jit(lambda sets: [fn(*s) for s in sets])
+    t = time.perf_counter()
+    jax.block_until_ready(multi(arg_sets))
+    out = {"compile_s": time.perf_counter() - t}
+    jax.block_until_ready(multi(arg_sets))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(multi(arg_sets))
+        ts.append(time.perf_counter() - t)
+    out["wall_s"] = float(np.median(ts)) / len(arg_sets)
+    if jax.default_backend() == "gpu" and profile_runs:
+        dev, _ = profile_events(lambda: [jax.block_until_ready(multi(arg_sets)) for _ in range(profile_runs)])
+        per = {}
+        for _op, _mod, ns, ev in dev:
+            per[ev] = per.get(ev, 0.0) + ns / 1e3 / (profile_runs * len(arg_sets))
+        out["kernel_us"] = sum(per.values())
+        out["kernels_us"] = dict(sorted(per.items(), key=lambda kv: -kv[1])[:6])
+    return out
+
+
 def round_split(engine, prompts, round_s: float, reps: int = 20) -> dict:
     """Time each stage of a round standalone on the state after prefill; accept+commit is the remainder of
     the measured in-loop round time. Returns milliseconds."""
