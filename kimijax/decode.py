@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk-cap", type=int, default=None, help="DDTree: at most this many children per depth")
     p.add_argument("--draft-window", type=int, default=None, help="drafter sees only the last W context tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="XLA's persistent compilation cache, so a later run with the same shapes skips compiling "
+                        "(default: $KIMIJAX_COMPILE_CACHE, else $KIMIJAX_CACHE/xla, i.e. ~/.cache/kimijax/xla; "
+                        "'off' disables it)")
     return p
 
 
@@ -60,6 +64,7 @@ def _run(args) -> int:
     if not 1 <= args.budget <= 128:
         raise ValueError(f"--budget must be in 1..128, got {args.budget}")
 
+    defaults.enable_compile_cache(args.compile_cache)  # before the first compile
     note, default_drafter = None, None
     model = args.model
     if model is None:
@@ -92,7 +97,8 @@ def _run(args) -> int:
         "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.tokens),
         "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2),
         "mean_acceptance_length": None if st["mean_acceptance"] != st["mean_acceptance"] else round(st["mean_acceptance"], 3),
-        "prefill_s": round(st["prefill_s"], 3), "decode_s": round(st["decode_s"], 3),
+        "prefill_s": round(st["prefill_s"], 3), "compile_s": round(st["compile_s"], 3),
+        "decode_s": round(st["decode_s"], 3),
         "random_weights": bool(getattr(target, "random_weights", False)) or model.endswith(defaults.EMBEDDED_NAME),
     }
     if args.json:

@@ -29,6 +29,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KIMIJAX_CACHE", Path.home() / ".cache" / "kimijax"))
 
 
+def enable_compile_cache(path: str | os.PathLike | None = None) -> Path | None:
+    """Point JAX's persistent compilation cache at `path` (default: $KIMIJAX_COMPILE_CACHE, else
+    cache_dir()/"xla"; "off": leave it off). A decode program takes tens of seconds to compile on a GPU; with
+    the cache a later process with the same shapes loads it instead (tracing still runs). Call before the first
+    compile: JAX reads the setting once per process."""
+    path = path if path is not None else os.environ.get("KIMIJAX_COMPILE_CACHE")
+    if path is not None and str(path) == "off":
+        return None
+    import jax
+
+    d = Path(path) if path is not None else cache_dir() / "xla"
+    d.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # a run compiles only a few programs
+    return d
+
+
 def embedded_default_dir() -> Path:
     """Write (once) and return the embedded tiny random-weight checkpoint directory."""
     from kimijax.loading import save_hf_checkpoint

