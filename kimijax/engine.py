@@ -10,6 +10,7 @@ sees finished chunks (that is also the streaming granularity).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Iterator, Sequence
 
@@ -98,7 +99,7 @@ class Engine:
         key = (id(drafter), method, budget, topk_cap, draft_window)
         if key not in programs or programs[key][0] is not drafter:
             programs[key] = (drafter, jax.jit(self._prefill_fn, donate_argnums=(1,)),
-                             jax.jit(self._chunk_fn, static_argnums=(3,), donate_argnums=(1,)), {})
+                             jax.jit(self._chunk_fn, static_argnums=(3, 4), donate_argnums=(1,)), {})
         _, self._prefill, self._chunk, self._compiled = programs[key]
         self.last_stats: dict[str, Any] = {}
         self.last_compile_s = 0.0
@@ -123,11 +124,14 @@ class Engine:
         extra = {} if self.round is None else self.round.init_state(dparams, cap, lens_B, L)
         return first_B, caches, extra
 
-    def _chunk_fn(self, params, state, dparams, n_rounds: int):
-        """Up to n_rounds rounds on device, stopping early when every request is done."""
+    def _chunk_fn(self, params, state, dparams, n_rounds: int, stop_on_done: bool = False):
+        """Up to n_rounds rounds on device, stopping early when every request is done (stop_on_done: as soon
+        as any request finishes, so the host can give its row to the next prompt)."""
+        done0 = state["done"]
 
         def cond(st):
-            return (st["round"] < n_rounds) & ~jnp.all(st["done"])
+            go = (st["round"] < n_rounds) & ~jnp.all(st["done"])
+            return go & ~jnp.any(st["done"] & ~done0) if stop_on_done else go
 
         def body(st):
             st = DecodeState(st)
@@ -175,8 +179,11 @@ class Engine:
         return out
 
     def start(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
-              stop_ids: Sequence[int] | None = None):
-        """Prefill a batch; returns the host-side request record and the device state."""
+              stop_ids: Sequence[int] | None = None, *, cache_len: int | None = None,
+              request_ids: Sequence[int] | None = None):
+        """Prefill a batch; returns the host-side request record and the device state. cache_len fixes the cache
+        length (default: the smallest power of two >= 64 that fits); request_ids number the requests' RNG
+        streams (default 0..B-1), so a request samples the same tokens in whatever batch row it runs."""
         toks = self._encode(prompts)
         B = len(toks)
         as_rows = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (B,)).copy()
@@ -188,19 +195,17 @@ class Engine:
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         lens = np.array([len(t) for t in toks], np.int32)
-        ctx = self.target.max_context
         for i, n in enumerate(lens):
-            if n + max_new_tokens > ctx:
-                raise EngineError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
-                                  f"{n + max_new_tokens} positions but the model's context is {ctx}")
-        need = int(lens.max()) + max_new_tokens + self.verify_width + self.tokens_per_round
-        L = _bucket(need, 64)
+            self._check_request(i, int(n), max_new_tokens)
+        need = self.cache_need(int(lens.max()), max_new_tokens)
+        L = _bucket(need, 64) if cache_len is None else cache_len
         if self.max_cache_len is not None:
-            if need > self.max_cache_len:
-                raise EngineError(f"cache exhausted: the longest prompt ({lens.max()} tokens) + max_new_tokens "
-                                  f"({max_new_tokens}) + tree slack ({need - lens.max() - max_new_tokens}) needs "
-                                  f"{need} cache slots, max_cache_len is {self.max_cache_len}")
             L = min(L, self.max_cache_len)
+        if need > L:
+            which = f"max_cache_len is {self.max_cache_len}" if L == self.max_cache_len else f"cache_len is {L}"
+            raise EngineError(f"cache exhausted: the longest prompt ({lens.max()} tokens) + max_new_tokens "
+                              f"({max_new_tokens}) + tree slack ({need - lens.max() - max_new_tokens}) needs "
+                              f"{need} cache slots, {which}")
         T = _bucket(int(lens.max()))
         tokens_BT = np.zeros((B, T), np.int32)
         for i, t in enumerate(toks):
@@ -210,12 +215,14 @@ class Engine:
             raise EngineError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(stops)}")
         stops_S = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops_S[: len(stops)] = stops
-        keys_B = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.arange(B))
+        ids = np.arange(B) if request_ids is None else np.asarray(request_ids, np.int32)
+        keys_B = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.asarray(ids))
         params = self.target.params
         dparams = None if self.drafter is None else self.drafter.params
         caches = self.target.init_cache(B, L)
-        first_B, caches, extra = self._prefill(params, caches, jnp.asarray(tokens_BT), jnp.asarray(lens), keys_B,
-                                               jnp.asarray(temp), jnp.asarray(tk), jnp.asarray(tp), dparams)
+        args = (params, caches, jnp.asarray(tokens_BT), jnp.asarray(lens), keys_B, jnp.asarray(temp), jnp.asarray(tk),
+                jnp.asarray(tp), dparams)
+        first_B, caches, extra = self._program(self._prefill, "prefill", args)(*args)
         M = _bucket(max_new_tokens + self.tokens_per_round, 8)
         out = jnp.full((B, M), -1, jnp.int32).at[:, 0].set(first_B)
         stops_j = jnp.asarray(stops_S)
@@ -230,15 +237,26 @@ class Engine:
         record = dict(B=B, lens=lens, max_new=max_new_tokens)
         return record, state
 
-    def _chunk_program(self, state, dparams):
-        """The compiled chunk program for this state's shapes (compiled once, timed separately)."""
-        sig = jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), (dict(state), dparams))
-        key = (jax.tree_util.tree_structure(sig), tuple(jax.tree_util.tree_leaves(sig)), self.chunk_rounds)
+    def cache_need(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache slots a request needs: prompt + new tokens + one round's tree and commit slack."""
+        return prompt_len + max_new_tokens + self.verify_width + self.tokens_per_round
+
+    def _program(self, jitted, name: str, args, static=()):
+        """The compiled program of `jitted` for these arguments' shapes (compiled once per shape; the compile
+        time is added to last_compile_s, so callers can keep it out of their decode timings)."""
+        src = tuple(None if a is self.target.params else a for a in args)  # the weights' shapes never change
+        sig = jax.tree_util.tree_map(lambda x: (np.shape(x), np.result_type(x)), src)
+        key = (name, jitted, jax.tree_util.tree_structure(sig), tuple(jax.tree_util.tree_leaves(sig)), static)
         if key not in self._compiled:
             t0 = time.perf_counter()
-            self._compiled[key] = self._chunk.lower(self.target.params, state, dparams, self.chunk_rounds).compile()
-            self.last_compile_s = time.perf_counter() - t0
+            self._compiled[key] = jitted.lower(*args, *static).compile()
+            self.last_compile_s += time.perf_counter() - t0
         return self._compiled[key]
+
+    def _chunk_program(self, state, dparams, stop_on_done: bool = False):
+        """The compiled chunk program for this state's shapes (compiled once, timed separately)."""
+        return self._program(self._chunk, "chunk", (self.target.params, state, dparams),
+                             (self.chunk_rounds, stop_on_done))
 
     def stream(self, prompts, **kw) -> Iterator[list[list[int]]]:
         """Yield, after each device chunk, the new tokens of every request since the previous chunk."""
@@ -256,15 +274,22 @@ class Engine:
             state = run(self.target.params, state, dparams)
 
     def generate(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
-                 stop_ids: Sequence[int] | None = None) -> list[GenerationResult]:
-        """Generate for a list of prompts. `last_stats` gets timings (compile time excluded from decode)."""
+                 stop_ids: Sequence[int] | None = None, max_batch: int | None = None) -> list[GenerationResult]:
+        """Generate for a list of prompts. `last_stats` gets timings (compile time excluded from prefill and
+        decode). Sampling parameters are one value or one per prompt. max_batch: at most this many requests on
+        the device at once; a finished request's row takes the next prompt (continuous batching), instead of
+        the whole batch waiting for its longest request."""
+        if max_batch is not None and max_batch < 1:
+            raise EngineError(f"max_batch must be >= 1, got {max_batch}")
+        if max_batch is not None and len(prompts) > max_batch:
+            return self._generate_refill(prompts, max_batch, max_new_tokens, temperature, top_p, top_k, seed, stop_ids)
+        self.last_compile_s = 0.0
         t0 = time.perf_counter()
         record, state = self.start(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k, seed=seed, stop_ids=stop_ids)
         jax.block_until_ready(state["out"])
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), self.last_compile_s
         dparams = None if self.drafter is None else self.drafter.params
-        self.last_compile_s = 0.0
         run = self._chunk_program(state, dparams)
         t2 = time.perf_counter()
         n_chunks = 0
@@ -274,35 +299,95 @@ class Engine:
         jax.block_until_ready(state["out"])
         t3 = time.perf_counter()
         results = self._results(record, state)
-        n_new = sum(len(r.tokens) for r in results)
-        rounds = int(np.asarray(state["n_rounds"]).max())
-        self.last_stats = dict(prefill_s=t1 - t0, compile_s=self.last_compile_s, decode_s=t3 - t2,
-                               new_tokens=n_new, rounds=rounds, chunks=n_chunks,
-                               decode_tokens_per_s=(n_new - len(results)) / max(t3 - t2, 1e-9),
-                               mean_acceptance=float(np.mean([a for r in results for a in r.acceptance_lengths]))
-                               if any(r.acceptance_lengths for r in results) else float("nan"))
+        self._set_stats(results, prefill_s=t1 - t0 - c1, decode_s=t3 - t2, chunks=n_chunks,
+                        rounds=int(np.asarray(state["n_rounds"]).max()))
         if self.round is not None and "experts" in state:  # mean over rounds, per request and MoE layer
             per_round = np.asarray(state["experts"]) / np.maximum(np.asarray(state["n_rounds"]), 1)[:, None]
             self.last_stats["distinct_experts_per_layer"] = per_round.tolist()
         return results
 
-    def _results(self, record, state) -> list[GenerationResult]:
-        out = np.asarray(state["out"])
-        n_out = np.asarray(state["n_out"])
-        hist = np.asarray(state["acc_hist"])
-        n_rounds = np.asarray(state["n_rounds"])
+    def _generate_refill(self, prompts, C: int, max_new_tokens, temperature, top_p, top_k, seed, stop_ids):
+        """generate() with C rows for len(prompts) > C requests: every request has its own RNG stream
+        (request_ids) and all share one cache length, so one chunk program serves the whole run; a chunk
+        stops as soon as a request finishes, the host collects it and prefills the next prompt into its row."""
+        toks = self._encode(prompts)
+        N = len(toks)
+        per = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (N,)).copy()
+        temp, tp, tk = per(temperature, np.float32), per(top_p, np.float32), per(top_k, np.int32)
+        for j in range(N):  # every request's errors before any work
+            self._check_request(j, len(toks[j]), max_new_tokens)
+        kw = dict(max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids,
+                  cache_len=_bucket(self.cache_need(max(map(len, toks)), max_new_tokens), 64))
+        pick = lambda js: dict(temperature=temp[js], top_p=tp[js], top_k=tk[js], request_ids=js, **kw)
+        self.last_compile_s = 0.0
+        t0 = time.perf_counter()
+        first = list(range(C))
+        _, state = self.start([toks[j] for j in first], **pick(first))
+        jax.block_until_ready(state["out"])
+        t1, c1 = time.perf_counter(), self.last_compile_s
+        dparams = None if self.drafter is None else self.drafter.params
+        run = self._chunk_program(state, dparams, stop_on_done=True)
+        t2, c2 = time.perf_counter(), self.last_compile_s
         stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
+        row_req, nxt, results, n_chunks, rounds = first, C, [None] * N, 0, 0
+        while any(j is not None for j in row_req):
+            state = run(self.target.params, state, dparams)
+            n_chunks += 1
+            rounds += int(state["round"])
+            for b in np.flatnonzero(np.asarray(state["done"])):
+                j = row_req[b]
+                if j is None:
+                    continue
+                results[j] = self._row_result(state, b, len(toks[j]), stops)
+                row_req[b] = None
+                if nxt < N:
+                    _, one = self.start([toks[nxt]], **pick([nxt]))
+                    put = self._program(_put_row, "put_row", (state, one, np.int32(b)))
+                    state = put(state, one, np.int32(b))
+                    row_req[b], nxt = nxt, nxt + 1
+        t3 = time.perf_counter()
+        self._set_stats(results, prefill_s=t1 - t0 - c1, decode_s=t3 - t2 - (self.last_compile_s - c2),
+                        chunks=n_chunks, rounds=rounds)
+        return results
+
+    def _check_request(self, i: int, n: int, max_new_tokens: int):
+        ctx = self.target.max_context
+        if n + max_new_tokens > ctx:
+            raise EngineError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
+                              f"{n + max_new_tokens} positions but the model's context is {ctx}")
+
+    def _set_stats(self, results, **kw):
+        n_new = sum(len(r.tokens) for r in results)
+        acc = [a for r in results for a in r.acceptance_lengths]
+        self.last_stats = dict(kw, compile_s=self.last_compile_s, new_tokens=n_new,
+                               decode_tokens_per_s=(n_new - len(results)) / max(kw["decode_s"], 1e-9),
+                               mean_acceptance=float(np.mean(acc)) if acc else float("nan"))
+
+    def _results(self, record, state) -> list[GenerationResult]:
+        stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
+        return [self._row_result(state, b, int(record["lens"][b]), stops) for b in range(record["B"])]
+
+    def _row_result(self, state, b: int, prompt_len: int, stops: set) -> GenerationResult:
+        n_out, n_rounds = int(state["n_out"][b]), int(state["n_rounds"][b])
+        toks = np.asarray(state["out"][b, :n_out]).tolist()
+        acc = np.asarray(state["acc_hist"][b, :n_rounds]).tolist()
+        reason = "stop" if toks and toks[-1] in stops else "length"
         tok = getattr(self.target, "tokenizer", None)
-        res = []
-        for b in range(record["B"]):
-            toks = out[b, : n_out[b]].tolist()
-            reason = "stop" if toks and toks[-1] in stops else "length"
-            acc = hist[b, : n_rounds[b]].tolist()
-            text = None
-            if tok is not None:
-                text = tok.decode([t for t in toks if t not in stops])
-            res.append(GenerationResult(toks, reason, int(record["lens"][b]), acc, text, int(n_rounds[b])))
-        return res
+        text = None if tok is None else tok.decode([t for t in toks if t not in stops])
+        return GenerationResult(toks, reason, prompt_len, acc, text, n_rounds)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_row(state, one, b):
+    """State with row b replaced by the one-request state `one` (same cache length); the round counter and
+    the stop ids are shared, not per row."""
+    out = DecodeState(state)
+    for k in state:
+        if k not in ("round", "stop_ids"):
+            out[k] = jax.tree_util.tree_map(
+                lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), b, 0),
+                state[k], one[k])
+    return out
 
 
 def commit_tokens(st, new_BP, n_B):

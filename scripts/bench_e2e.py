@@ -12,6 +12,7 @@ stops starting new rows and lists the ones left out.
 
   python scripts/bench_e2e.py --out $OUT/bench_e2e.json                      # the full grid (GPU)
   python scripts/bench_e2e.py --temps 0 --concurrency 1,32 --methods ar,dflash,ddtree:16 --out e2e.json
+  python scripts/bench_e2e.py --continuous 3 --out cont.json                 # K x C requests through C refilled rows
   python scripts/bench_e2e.py --report e2e.json --plot e2e.png               # table + plot from a JSON
 """
 
@@ -110,9 +111,14 @@ def run_grid(args) -> dict:
             continue
         eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1))
         new, dec_s, rounds, compile_s, acc, outs = 0, 0.0, 0, 0.0, [], []
+        if args.continuous:  # one run of K x C requests through C rows that are refilled as requests finish
+            nb = 1
         for j in range(nb):  # nb batches of C requests; throughput over all of them
             batch = chats[j * C:(j + 1) * C]
-            r = eng.generate(batch, max_new_tokens=args.max_new, temperature=temp, seed=args.seed + j)
+            kw = {}
+            if args.continuous:
+                batch, kw = chats[:args.continuous * C], dict(max_batch=C)
+            r = eng.generate(batch, max_new_tokens=args.max_new, temperature=temp, seed=args.seed + j, **kw)
             st = eng.last_stats
             new += st["new_tokens"] - len(batch)
             dec_s += st["decode_s"]
@@ -121,6 +127,7 @@ def run_grid(args) -> dict:
             acc += [a for x in r for a in x.acceptance_lengths]
             outs += [hashlib.sha1(json.dumps(x.tokens).encode()).hexdigest()[:16] for x in r]
         row = dict(temperature=temp, concurrency=C, method=name, budget=budget, batches=nb, call=len(res["calls"]) - 1,
+                   requests=len(outs), continuous=bool(args.continuous),
                    new_tokens=new, decode_s=dec_s, tokens_per_s=new / max(dec_s, 1e-9),
                    ms_per_round=1e3 * dec_s / max(rounds, 1), rounds=rounds, compile_s=compile_s,
                    mean_acceptance=sum(acc) / len(acc) if acc else 1.0)
@@ -150,7 +157,8 @@ def table(res: dict) -> str:
     for r in sorted(res["rows"], key=order):
         s = r.get("split_ms", {})
         f = lambda k: f"{s[k]:.2f}" if k in s else ""
-        lines.append(f"| {r['temperature']:g} | {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+        m = r["method"] + (f" ({r['requests']} req. refilled)" if r.get("continuous") else "")
+        lines.append(f"| {r['temperature']:g} | {r['concurrency']} | {m} | {r['tokens_per_s']:.0f} | "
                      f"{r.get('speedup_vs_ar', 1.0):.2f} | {r['mean_acceptance']:.2f} | {r['ms_per_round']:.2f} | "
                      f"{f('draft_ms')} | {f('tree_ms')} | {f('verify_ms')} | {f('accept_commit_ms')} | "
                      f"{r.get('equals_ar', '')} |")
@@ -209,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=1, help="batches of C requests per row")
     p.add_argument("--min-requests", type=int, default=16,
                    help="run at least this many requests per row (more batches at low concurrency)")
+    p.add_argument("--continuous", type=int, default=0, metavar="K",
+                   help="continuous batching: each row serves K x C held-out requests through C rows that take the "
+                        "next request as one finishes (Engine.generate max_batch=C); 0 = static batches")
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--split-at", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32],

@@ -500,7 +500,7 @@ def decode_state(eng, B: int, L: int, S: int, seed: int = 0):
         return tokens_BT[:, 0], caches, extra
 
     prefill = eng._prefill
-    eng._prefill = no_prefill
+    eng._prefill = jax.jit(no_prefill)
     try:
         _, st = eng.start([[1]] * B, max_new_tokens=max_new, stop_ids=[])
     finally:

@@ -111,3 +111,41 @@ def test_engines_share_programs_and_do_not_keep_targets_alive():
     del t, e
     gc.collect()
     assert ref() is None
+
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_continuous_batching_equals_one_by_one(tiny_f32, method):
+    """max_batch < len(prompts): rows are refilled as requests finish. Every request's tokens (greedy and
+    sampled: each request keeps its own RNG stream) equal what it gets alone, results keep prompt order, and
+    requests of different lengths (per-prompt stop ids are not a thing; different max_new is) all finish."""
+    from kimijax.models.drafter import DrafterConfig, random_drafter
+
+    drafter = None
+    if method != "ar":
+        c = tiny_f32.cfg
+        dcfg = DrafterConfig(hidden_size=c.hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=64, block_size=4,
+                             mask_token_id=c.vocab_size - 2, target_layer_ids=(0, 2),
+                             num_target_layers=c.num_hidden_layers, vocab_size=c.vocab_size)
+        drafter = random_drafter(dcfg, tiny_f32, seed=3)
+    eng = Engine(tiny_f32, drafter, method=method, budget=4, chunk_rounds=4)
+    prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 4], seed=11)
+    # stop ids from two greedy answers, so requests end at different rounds and rows get refilled mid-run
+    probe = eng.generate(prompts, max_new_tokens=12, stop_ids=[])
+    stop = [probe[1].tokens[4], probe[3].tokens[8]]
+    for temp in (0.0, 0.8):
+        # one static batch gives request j the RNG stream j too, so its tokens are the reference
+        ref = eng.generate(prompts, max_new_tokens=12, temperature=temp, seed=7, stop_ids=stop)
+        got = eng.generate(prompts, max_new_tokens=12, temperature=temp, seed=7, stop_ids=stop, max_batch=2)
+        assert [r.tokens for r in got] == [r.tokens for r in ref], temp
+        assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in ref]
+        assert [r.prompt_tokens for r in got] == [len(p) for p in prompts]
+        if temp == 0.0:
+            assert len({len(r.tokens) for r in got}) > 1  # requests did end at different times
+        assert eng.last_stats["new_tokens"] == sum(len(r.tokens) for r in got)
+    if method == "ar":  # greedy alone, one request per call: the same tokens again
+        alone = [eng.generate([p], max_new_tokens=12, stop_ids=stop)[0].tokens for p in prompts]
+        assert alone == [r.tokens for r in eng.generate(prompts, max_new_tokens=12, stop_ids=stop, max_batch=2)]
+    with pytest.raises(EngineError, match="max_batch"):
+        eng.generate(prompts, max_batch=0)
