@@ -98,9 +98,8 @@ class Engine:
         programs = target.__dict__.setdefault(_PROGRAMS_ATTR, {})
         key = (id(drafter), method, budget, topk_cap, draft_window)
         if key not in programs or programs[key][0] is not drafter:
-            programs[key] = (drafter, jax.jit(self._prefill_fn, donate_argnums=(1,)),
-                             jax.jit(self._chunk_fn, static_argnums=(3, 4), donate_argnums=(1,)), {})
-        _, self._prefill, self._chunk, self._compiled = programs[key]
+            programs[key] = (drafter, jax.jit(self._prefill_fn, donate_argnums=(1,)), {})
+        _, self._prefill, self._compiled = programs[key]
         self.last_stats: dict[str, Any] = {}
         self.last_compile_s = 0.0
 
@@ -235,7 +234,17 @@ class Engine:
             acc_hist=jnp.zeros((B, R), jnp.int32), n_rounds=jnp.zeros((B,), jnp.int32),
             round=jnp.zeros((), jnp.int32), **extra)
         record = dict(B=B, lens=lens, max_new=max_new_tokens)
-        return record, state
+        return record, self._on_mesh(state)
+
+    def _on_mesh(self, state):
+        """On a mesh every state leaf the prefill left on one device goes onto the mesh, replicated, so the chunk
+        program can be compiled to give back exactly the shardings it takes (see _chunk_program)."""
+        mesh = getattr(self.target, "mesh", None)
+        if mesh is None:
+            return state
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.tree_util.tree_map(
+            lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding) else jax.device_put(x, rep), state)
 
     def cache_need(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache slots a request needs: prompt + new tokens + one round's tree and commit slack."""
@@ -254,8 +263,16 @@ class Engine:
         return self._compiled[key]
 
     def _chunk_program(self, state, dparams, stop_on_done: bool = False):
-        """The compiled chunk program for this state's shapes (compiled once, timed separately)."""
-        return self._program(self._chunk, "chunk", (self.target.params, state, dparams),
+        """The compiled chunk program for this state's shapes (compiled once, timed separately). It returns
+        the state with the shardings it came in with (left to propagation, a mesh's replicated rows can come
+        back split over "data", and the next call of the compiled program would refuse them)."""
+        shard = jax.tree_util.tree_map(lambda x: x.sharding, state)
+        leaves, tree = jax.tree_util.tree_flatten(shard)
+        key = ("chunk_jit", tree, tuple(leaves))
+        if key not in self._compiled:
+            self._compiled[key] = jax.jit(self._chunk_fn, static_argnums=(3, 4), donate_argnums=(1,),
+                                          out_shardings=shard)
+        return self._program(self._compiled[key], "chunk", (self.target.params, state, dparams),
                              (self.chunk_rounds, stop_on_done))
 
     def stream(self, prompts, **kw) -> Iterator[list[list[int]]]:
@@ -342,7 +359,7 @@ class Engine:
                 row_req[b] = None
                 if nxt < N:
                     _, one = self.start([toks[nxt]], **pick([nxt]))
-                    put = self._program(_put_row, "put_row", (state, one, np.int32(b)))
+                    put = self._program(_put_row_program(state), "put_row", (state, one, np.int32(b)))
                     state = put(state, one, np.int32(b))
                     row_req[b], nxt = nxt, nxt + 1
         t3 = time.perf_counter()
@@ -377,7 +394,6 @@ class Engine:
         return GenerationResult(toks, reason, prompt_len, acc, text, n_rounds)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def _put_row(state, one, b):
     """State with row b replaced by the one-request state `one` (same cache length); the round counter and
     the stop ids are shared, not per row."""
@@ -388,6 +404,18 @@ def _put_row(state, one, b):
                 lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), b, 0),
                 state[k], one[k])
     return out
+
+
+def _put_row_program(state):
+    """_put_row jitted to give back exactly the state's shardings: the chunk program was compiled for them
+    (left to propagation, a mesh's replicated rows can come back split over "data")."""
+    leaves, tree = jax.tree_util.tree_flatten(jax.tree_util.tree_map(lambda x: x.sharding, state))
+    return _put_row_jit(tree, tuple(leaves))
+
+
+@functools.lru_cache(maxsize=8)
+def _put_row_jit(tree, shardings):
+    return jax.jit(_put_row, donate_argnums=(0,), out_shardings=jax.tree_util.tree_unflatten(tree, shardings))
 
 
 def commit_tokens(st, new_BP, n_B):

@@ -106,7 +106,7 @@ def test_engines_share_programs_and_do_not_keep_targets_alive():
     t = KimiTarget(cfg, random_kimi_params(cfg, seed=9))
     e = Engine(t)
     e.generate([[5, 6, 7]], max_new_tokens=2, stop_ids=[])
-    assert Engine(t)._chunk is e._chunk
+    assert Engine(t)._compiled is e._compiled
     ref = weakref.ref(t)
     del t, e
     gc.collect()
