@@ -110,7 +110,7 @@ def run_grid(args) -> dict:
                                        why=f"needs {C} held-out prompts, have {len(chats)}"))
             continue
         eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1))
-        new, dec_s, rounds, compile_s, acc, outs = 0, 0.0, 0, 0.0, [], []
+        new, dec_s, pre_s, rounds, compile_s, acc, outs = 0, 0.0, 0.0, 0, 0.0, [], []
         if args.continuous:  # one run of K x C requests through C rows that are refilled as requests finish
             nb = 1
         for j in range(nb):  # nb batches of C requests; throughput over all of them
@@ -122,13 +122,14 @@ def run_grid(args) -> dict:
             st = eng.last_stats
             new += st["new_tokens"] - len(batch)
             dec_s += st["decode_s"]
+            pre_s += st["prefill_s"]
             rounds += st["rounds"]
             compile_s += st["compile_s"]
             acc += [a for x in r for a in x.acceptance_lengths]
             outs += [hashlib.sha1(json.dumps(x.tokens).encode()).hexdigest()[:16] for x in r]
         row = dict(temperature=temp, concurrency=C, method=name, budget=budget, batches=nb, call=len(res["calls"]) - 1,
                    requests=len(outs), continuous=bool(args.continuous),
-                   new_tokens=new, decode_s=dec_s, tokens_per_s=new / max(dec_s, 1e-9),
+                   new_tokens=new, decode_s=dec_s, prefill_s=pre_s, tokens_per_s=new / max(dec_s, 1e-9),
                    ms_per_round=1e3 * dec_s / max(rounds, 1), rounds=rounds, compile_s=compile_s,
                    mean_acceptance=sum(acc) / len(acc) if acc else 1.0)
         if method == "ar":
@@ -219,7 +220,8 @@ def main(argv=None) -> int:
                    help="run at least this many requests per row (more batches at low concurrency)")
     p.add_argument("--continuous", type=int, default=0, metavar="K",
                    help="continuous batching: each row serves K x C held-out requests through C rows that take the "
-                        "next request as one finishes (Engine.generate max_batch=C); 0 = static batches")
+                        "next request as one finishes (Engine.generate max_batch=C); 0 = static batches. Its decode "
+                        "time includes the one-request prefills of the refilled rows (static rows' prefill_s is apart)")
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--split-at", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32],
