@@ -4,7 +4,8 @@ Per-request state lives in fixed slots (batch row b): committed length S_b (entr
 the bonus token (committed and emitted, not yet in the cache), an output buffer, done flag and RNG key.
 A round is one AR step (method "ar") or one draft-tree-verify-commit round (methods "dflash", "ddtree",
 see kimijax/spec/round.py). `lax.while_loop` runs up to `chunk_rounds` rounds on device; the host only
-sees finished chunks (that is also the streaming granularity).
+sees finished chunks (that is also the streaming granularity). With `generate(..., max_batch=C)` a chunk ends
+as soon as a request finishes and the host prefills the next prompt into that row (continuous batching).
 """
 
 from __future__ import annotations
