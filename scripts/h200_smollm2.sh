@@ -36,8 +36,9 @@ bench)
   BENCH_S=${3:-450}
   # The whole grid in priority order (the time budget cuts the tail; BENCH_ARGS=--append continues a cut run
   # without rerunning its rows): per (C, method) the greedy row, then T=0.7 on the same compiled program.
-  ROWS=""
-  for cm in 1,ar 1,ddtree:16 1,ddtree:8 32,ar 32,ddtree:16 32,ddtree:8 32,ddtree:4 1,ddtree:4 1,ddtree:32 \
+  # ROWS="T,C,METHOD;..." replaces the grid (e.g. with BENCH_ARGS="--continuous 3": C>1 rows of refilled batches)
+  ROWS=${ROWS:-}
+  [ -z "$ROWS" ] && for cm in 1,ar 1,ddtree:16 1,ddtree:8 32,ar 32,ddtree:16 32,ddtree:8 32,ddtree:4 1,ddtree:4 1,ddtree:32 \
             1,dflash 8,ar 8,ddtree:16 8,ddtree:8 128,ar 128,ddtree:16 128,ddtree:8 128,ddtree:4 1,ddtree:64 \
             32,ddtree:32 32,dflash 8,ddtree:4 8,ddtree:32 8,dflash 32,ddtree:64 8,ddtree:64 128,ddtree:32 \
             128,dflash 128,ddtree:64; do
