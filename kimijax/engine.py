@@ -11,7 +11,6 @@ as soon as a request finishes and the host prefills the next prompt into that ro
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Iterator, Sequence
 
@@ -263,18 +262,22 @@ class Engine:
             self.last_compile_s += time.perf_counter() - t0
         return self._compiled[key]
 
-    def _chunk_program(self, state, dparams, stop_on_done: bool = False):
-        """The compiled chunk program for this state's shapes (compiled once, timed separately). It returns
-        the state with the shardings it came in with (left to propagation, a mesh's replicated rows can come
-        back split over "data", and the next call of the compiled program would refuse them)."""
+    def _keeping_shardings(self, name: str, fn, state, **jit_kw):
+        """`fn` jitted to give back the state with exactly the shardings it takes (left to propagation, a
+        mesh's replicated rows can come back split over "data", and the next call of a compiled program would
+        refuse them); one per sharding, shared like the compiled programs."""
         shard = jax.tree_util.tree_map(lambda x: x.sharding, state)
         leaves, tree = jax.tree_util.tree_flatten(shard)
-        key = ("chunk_jit", tree, tuple(leaves))
+        key = (name, tree, tuple(leaves))
         if key not in self._compiled:
-            self._compiled[key] = jax.jit(self._chunk_fn, static_argnums=(3, 4), donate_argnums=(1,),
-                                          out_shardings=shard)
-        return self._program(self._compiled[key], "chunk", (self.target.params, state, dparams),
-                             (self.chunk_rounds, stop_on_done))
+            self._compiled[key] = jax.jit(fn, out_shardings=shard, **jit_kw)
+        return self._compiled[key]
+
+    def _chunk_program(self, state, dparams, stop_on_done: bool = False):
+        """The compiled chunk program for this state's shapes and shardings (compiled once, timed separately)."""
+        jitted = self._keeping_shardings("chunk_jit", self._chunk_fn, state, static_argnums=(3, 4),
+                                         donate_argnums=(1,))
+        return self._program(jitted, "chunk", (self.target.params, state, dparams), (self.chunk_rounds, stop_on_done))
 
     def stream(self, prompts, **kw) -> Iterator[list[list[int]]]:
         """Yield, after each device chunk, the new tokens of every request since the previous chunk."""
@@ -360,7 +363,8 @@ class Engine:
                 row_req[b] = None
                 if nxt < N:
                     _, one = self.start([toks[nxt]], **pick([nxt]))
-                    put = self._program(_put_row_program(state), "put_row", (state, one, np.int32(b)))
+                    jitted = self._keeping_shardings("put_row_jit", _put_row, state, donate_argnums=(0,))
+                    put = self._program(jitted, "put_row", (state, one, np.int32(b)))
                     state = put(state, one, np.int32(b))
                     row_req[b], nxt = nxt, nxt + 1
         t3 = time.perf_counter()
@@ -405,18 +409,6 @@ def _put_row(state, one, b):
                 lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), b, 0),
                 state[k], one[k])
     return out
-
-
-def _put_row_program(state):
-    """_put_row jitted to give back exactly the state's shardings: the chunk program was compiled for them
-    (left to propagation, a mesh's replicated rows can come back split over "data")."""
-    leaves, tree = jax.tree_util.tree_flatten(jax.tree_util.tree_map(lambda x: x.sharding, state))
-    return _put_row_jit(tree, tuple(leaves))
-
-
-@functools.lru_cache(maxsize=8)
-def _put_row_jit(tree, shardings):
-    return jax.jit(_put_row, donate_argnums=(0,), out_shardings=jax.tree_util.tree_unflatten(tree, shardings))
 
 
 def commit_tokens(st, new_BP, n_B):

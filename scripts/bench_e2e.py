@@ -111,13 +111,12 @@ def run_grid(args) -> dict:
             continue
         eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1))
         new, dec_s, pre_s, rounds, compile_s, acc, outs = 0, 0.0, 0.0, 0, 0.0, [], []
-        if args.continuous:  # one run of K x C requests through C rows that are refilled as requests finish
-            nb = 1
-        for j in range(nb):  # nb batches of C requests; throughput over all of them
-            batch = chats[j * C:(j + 1) * C]
-            kw = {}
-            if args.continuous:
-                batch, kw = chats[:args.continuous * C], dict(max_batch=C)
+        # nb batches of C requests, or one run of K x C requests through C rows refilled as requests finish
+        batches = [chats[j * C:(j + 1) * C] for j in range(nb)]
+        kw = {}
+        if args.continuous:
+            nb, batches, kw = 1, [chats[:args.continuous * C]], dict(max_batch=C)
+        for j, batch in enumerate(batches):  # throughput over all of them
             r = eng.generate(batch, max_new_tokens=args.max_new, temperature=temp, seed=args.seed + j, **kw)
             st = eng.last_stats
             new += st["new_tokens"] - len(batch)

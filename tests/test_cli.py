@@ -56,8 +56,7 @@ def test_errors_exit_2_without_traceback(capsys, tmp_path):
 
 def test_compile_cache_is_written_and_reused(tmp_path):
     """--compile-cache DIR stores the compiled programs; a second process with the same shapes loads them."""
-    env = dict(os.environ, KIMIJAX_COMPILE_CACHE="", JAX_PLATFORMS="cpu")
-    env.pop("KIMIJAX_COMPILE_CACHE")
+    env = {k: v for k, v in os.environ.items() if k != "KIMIJAX_COMPILE_CACHE"} | {"JAX_PLATFORMS": "cpu"}
     model = str(defaults.embedded_default_dir())  # a checkpoint with a tokenizer, written once
     argv = [sys.executable, "-m", "kimijax.decode", "--model", model, "--method", "ar", "--max-new-tokens", "2",
             "--prompt", "hi", "--json", "--compile-cache", str(tmp_path / "xla")]

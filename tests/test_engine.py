@@ -113,7 +113,6 @@ def test_engines_share_programs_and_do_not_keep_targets_alive():
     assert ref() is None
 
 
-
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
 def test_continuous_batching_equals_one_by_one(tiny_f32, method):
     """max_batch < len(prompts): rows are refilled as requests finish. Every request's tokens (greedy and
