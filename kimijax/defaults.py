@@ -51,7 +51,7 @@ def embedded_default_dir() -> Path:
     from kimijax.loading import save_hf_checkpoint
     from kimijax.models.drafter import random_drafter, save_drafter
     from kimijax.target import random_kimi_params
-    from kimijax.tokenizer import write_tiny_tokenizer
+    from kimijax.tokenizer_tiny import write_tiny_tokenizer
 
     d = cache_dir() / EMBEDDED_NAME
     if (d / DRAFTER_SUBDIR / "config.json").exists():

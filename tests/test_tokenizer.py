@@ -20,8 +20,8 @@ from kimijax.tokenizer import (
     load_bpe_ranks,
     pre_tokenize,
     render_k2_chat,
-    write_tiny_tokenizer,
 )
+from kimijax.tokenizer_tiny import write_tiny_tokenizer
 
 VOCAB = 1024
 NB = VOCAB - NUM_SPECIAL_IDS  # num_base_tokens of the default tiny tokenizer
