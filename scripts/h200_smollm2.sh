@@ -9,7 +9,8 @@
 # package. Work files live in $KIMIJAX_RUNS (default runs/; point it at /tmp to keep them between device calls):
 # the data cache, and the drafter trained into $KIMIJAX_RUNS/smollm2-dflash, which the bench reads. OUTDIR gets at
 # most 8 files (the device tool's limit): the drafter's safetensors shards, drafter_meta.tar (config.json, index,
-# heldout_prompts.json, train_report.json), bench_e2e.json and the logs. TRAIN_ARGS adds train_drafter options.
+# heldout_prompts.json, train_report.json), bench_e2e.json and the logs. TRAIN_ARGS adds train_drafter options;
+# DATA_OPTS data options to both phases (e.g. "--num-prompts 40000 --extra-templates": the later one wins).
 set -uo pipefail
 PHASE=${1:?data|train|bench}; OUT=${2:?OUTDIR}
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ W=${KIMIJAX_RUNS:-runs}
 D=$W/smollm2-dflash
 mkdir -p "$OUT" "$W"
 quiet() { tr "\r" "\n" | grep --line-buffered -v -E "%\|"; }  # drop tqdm bars from the logs
-DATA_ARGS="--data-cache $W/data.npz --num-prompts 18000 --max-new-tokens 192 --gen-batch 256"
+DATA_ARGS="--data-cache $W/data.npz --num-prompts 18000 --max-new-tokens 192 --gen-batch 256 ${DATA_OPTS:-}"
 case $PHASE in
 data)
   python3 scripts/train_drafter.py --out $D $DATA_ARGS --phase data 2>&1 | quiet | tee "$OUT"/data.log

@@ -85,9 +85,11 @@ def _snippet(src: str, node, max_lines: int, max_chars: int) -> str | None:
     return seg if len(seg) <= max_chars else None
 
 
-def prompts_from_module(module: str, path: Path, max_lines: int = 40, max_chars: int = 1600) -> list[dict]:
+def prompts_from_module(module: str, path: Path, max_lines: int = 40, max_chars: int = 1600,
+                        extra: bool = False) -> list[dict]:
     """Instruction prompts built from one module's functions and classes (public, with docstrings): several
-    instruction templates per definition."""
+    instruction templates per definition; `extra` adds more templates per definition (more training data from
+    the same source; build_prompts uses them for training modules only, so the held-out set does not change)."""
     try:
         src = path.read_text(encoding="utf-8")
         tree = ast.parse(src)
@@ -123,19 +125,33 @@ def prompts_from_module(module: str, path: Path, max_lines: int = 40, max_chars:
                             f"```python\n{code}\n```",
                             f"Rewrite this Python function with clearer variable names and short comments:\n\n"
                             f"```python\n{code}\n```"]
+        if extra and isinstance(node, ast.ClassDef):
+            choices += [f"List the main methods of the Python class `{qual}` and say briefly what each does.",
+                        f"When would you use `{qual}` rather than writing your own class? Its docstring says: "
+                        f"\"{first}\""]
+        elif extra:
+            choices += [f"Write a unit test with `unittest` for `{qual}`. Its docstring says: \"{first}\"",
+                        f"List the parameters of `{qual}({args})` and explain what each one is for.",
+                        f"What edge cases or errors should a caller of `{qual}` watch out for? Its docstring "
+                        f"says: \"{first}\""]
+            if code:
+                choices.append(f"Review this function from the `{module}` module and suggest one improvement:\n\n"
+                               f"```python\n{code}\n```")
         for c in choices:
             out.append(dict(module=module, name=qual, kind=type(node).__name__, prompt=c))
     return out
 
 
-def build_prompts(n_train: int, n_heldout: int, heldout_pct: int, seed: int, root=None):
-    """(train, heldout) prompt records; modules are visited in a seeded order until both splits are full."""
+def build_prompts(n_train: int, n_heldout: int, heldout_pct: int, seed: int, root=None, extra: bool = False):
+    """(train, heldout) prompt records; modules are visited in a seeded order until both splits are full.
+    `extra`: the extra templates for the training modules, shuffled in after the base prompts with their own
+    generator, so the held-out records and their order are those of a run without them."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     files = stdlib_files(root)
     order = rng.permutation(len(files))
-    train, held = [], []
+    train, held, more = [], [], []
     for i in order:
         mod, path = files[i]
         h = is_heldout(mod, heldout_pct)
@@ -143,9 +159,16 @@ def build_prompts(n_train: int, n_heldout: int, heldout_pct: int, seed: int, roo
             if len(held) >= 4 * n_heldout and len(train) >= 2 * n_train:
                 break
             continue
-        (held if h else train).extend(prompts_from_module(mod, path))
+        base = prompts_from_module(mod, path)
+        (held if h else train).extend(base)
+        if extra and not h:
+            seen = {r["prompt"] for r in base}
+            more.extend(r for r in prompts_from_module(mod, path, extra=True) if r["prompt"] not in seen)
     rng.shuffle(train)
     rng.shuffle(held)
+    if more:
+        train += more
+        np.random.default_rng(seed + 1).shuffle(train)
     return train, held
 
 
@@ -332,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256, help="response length cap when generating data")
     g.add_argument("--gen-batch", type=int, default=256, help="Engine batch for data generation")
     g.add_argument("--data-cache", default=None, help="npz of generated data: reused when it exists, else written")
+    g.add_argument("--extra-templates", action="store_true",
+                   help="more instruction templates per training definition (the held-out prompts do not change)")
     g.add_argument("--sampled-copies", type=int, default=0,
                    help="extra answers per training prompt sampled at --sample-temperature (more diverse data)")
     g.add_argument("--sample-temperature", type=float, default=0.7)
@@ -362,12 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-budget", type=int, default=16, help="DDTree node budget")
     g.add_argument("--heldout-every", type=int, default=500,
                    help="steps between teacher-forced metrics on the held-out prompts' greedy answers (0: off)")
+    g.add_argument("--val-from", type=int, default=192,
+                   help="held-out prompts from this index on pick the saved checkpoint (the bench uses < 192)")
+    g.add_argument("--keep-best", action=argparse.BooleanOptionalAction, default=True,
+                   help="save the checkpoint with the best validation acceptance instead of the last")
     return p
 
 
 SMOKE = dict(num_prompts=12, num_heldout=6, max_prompt_tokens=160, max_new_tokens=24, gen_batch=4, block_size=8,
              layers=1, ctx_layers=3, intermediate=512, steps=8, batch_seqs=2, anchors=4, warmup=2,
-             eval_prompts=2, eval_max_new=16, time_budget_min=30.0, eval_reserve_min=0.0)
+             eval_prompts=2, eval_max_new=16, time_budget_min=30.0, eval_reserve_min=0.0, val_from=4)
 
 
 def main(argv=None) -> int:
@@ -406,7 +435,8 @@ def main(argv=None) -> int:
 
     # ---- 1 prompts
     t0 = time.time()
-    train_recs, held_recs = build_prompts(args.num_prompts, args.num_heldout, args.heldout_pct, args.seed)
+    train_recs, held_recs = build_prompts(args.num_prompts, args.num_heldout, args.heldout_pct, args.seed,
+                                          extra=args.extra_templates)
     train_ids, train_recs = encode_prompts(tok, train_recs, args.max_prompt_tokens, args.num_prompts)
     held_ids, held_recs = encode_prompts(tok, held_recs, args.max_prompt_tokens, args.num_heldout)
     held_mods = {r["module"] for r in held_recs}
@@ -491,12 +521,16 @@ def main(argv=None) -> int:
     opt_state = tx.init(dparams)
     step_fn, eval_fn = make_train_step(target, dcfg, tx, args.anchors, gamma)
 
+    best = dict(val_accept=-1.0, step=None, params=None)
+
     def heldout_metrics(step):
-        """Teacher-forced metrics on the held-out prompts' greedy answers (never trained on), fixed anchors."""
+        """Teacher-forced metrics on the held-out prompts' greedy answers (never trained on), fixed anchors;
+        `val_accept` is the same over the held-out prompts from --val-from on (which scripts/bench_e2e.py does
+        not use): it picks the checkpoint that is saved."""
         if held_data is None or args.heldout_every <= 0:
             return None
         ht, hl, hp = held_data
-        sums, n = {}, 0
+        sums, n, val, n_val = {}, 0, 0.0, 0
         for s0 in range(0, len(hl) - args.batch_seqs + 1, args.batch_seqs):
             sl = slice(s0, s0 + args.batch_seqs)
             m = eval_fn(dparams, tparams, jnp.asarray(ht[sl]), jnp.asarray(hl[sl]), jnp.asarray(hp[sl]),
@@ -504,11 +538,21 @@ def main(argv=None) -> int:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             n += 1
+            if s0 >= args.val_from:
+                val, n_val = val + float(m["accept"]), n_val + 1
         out = {k: v / max(n, 1) for k, v in sums.items()}
         out["step"] = step
+        msg = ""
+        if n_val:
+            out["val_accept"] = val / n_val
+            msg = f", validation accept {out['val_accept']:.3f}"
+            if args.keep_best and out["val_accept"] > best["val_accept"]:
+                best.update(val_accept=out["val_accept"], step=step,
+                            params=jax.tree_util.tree_map(jnp.copy, dparams))  # the step donates dparams
+                msg += " (best so far)"
         held_hist.append(out)
         tqdm.write(f"step {step}: held-out teacher-forced accept {out['accept']:.2f}, top1 {out['top1']:.3f}, "
-                   f"loss {out['loss']:.3f}")
+                   f"loss {out['loss']:.3f}{msg}")
         return out
     rng = np.random.default_rng(args.seed)
     key = jax.random.PRNGKey(args.seed)
@@ -557,6 +601,11 @@ def main(argv=None) -> int:
     report["phases"]["train_s"] = time.time() - t0
     report.update(train_steps=step, train_history=hist[-50:], final_train_metrics=ema,
                   heldout_teacher_forced=held_hist)
+    if best["params"] is not None and best["step"] != step:
+        dparams = best["params"]
+        print(f"saving the step-{best['step']} checkpoint (validation accept {best['val_accept']:.3f}, the best; "
+              f"step {step}: {held_hist[-1].get('val_accept', float('nan')):.3f})", flush=True)
+    report["saved_step"] = best["step"] if best["params"] is not None else step
 
     # ---- 4 save (z-lab format) and evaluate on held-out prompts through load_drafter + Engine
     save_drafter(Drafter(dcfg, dparams), out, dtype="bfloat16")
