@@ -272,7 +272,8 @@ def make_train_step(target, dcfg, tx, anchors: int, gamma: float):
         h = compute.module.apply({"params": dp}, x, lab_pos.reshape(B * A, bs), kv_rep, ctx_pos, ctx_valid,
                                  method=DFlash.block)
         h = h.astype(target.dtype)
-        logits = target.head(tparams, h[:, 1:]).astype(jnp.float32)  # [B*A, bs-1, V]
+        head = getattr(target, "draft_head", target.head)  # the drafter's own lm_head path (TF32 on GPUs)
+        logits = head(tparams, h[:, 1:]).astype(jnp.float32)  # [B*A, bs-1, V]
         lab = labels.reshape(B * A, bs)[:, 1:]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, lab)
         wv = (valid.reshape(B * A, bs)[:, 1:] * w_S[1:]).astype(jnp.float32)

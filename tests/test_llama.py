@@ -346,6 +346,15 @@ def test_tiny_prefill_tree_verify_compact_decode_match_forward(tiny):
         np.testing.assert_allclose(np.asarray(slog[b, 0]), _full_hidden(tiny, seq)[0][-1], atol=2e-4, rtol=2e-4)
 
 
+def test_draft_head_matches_head(tiny):
+    """The drafter's lm_head differs from the exact one only in dot precision (equal on CPU, TF32 on GPUs)."""
+    h = jax.random.normal(jax.random.PRNGKey(3), (2, 5, tiny.hidden_size), tiny.dtype)
+    want = np.asarray(tiny.head(tiny.params, h))
+    got = np.asarray(tiny.draft_head(tiny.params, h))
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
 def test_tiny_attention_kernel_matches_xla_path(tiny):
     # the decode/verify attention through the Pallas kernel (interpret) gives the XLA path's logits: a tree
     # verify over a prefilled cache, then an AR step

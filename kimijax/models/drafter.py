@@ -304,7 +304,8 @@ class Drafter:
         tdt = getattr(target, "dtype", None)
         if tdt is not None:
             h_BTD = h_BTD.astype(tdt)
-        logits = target.head(tparams, h_BTD).astype(jnp.float32)
+        head = getattr(target, "draft_head", target.head)  # a faster lm_head where the target has one
+        logits = head(tparams, h_BTD).astype(jnp.float32)
         c = self.cfg
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
