@@ -566,6 +566,8 @@ def main(argv=None) -> int:
     bar = tqdm(total=total, desc="training drafter", unit="step")
     step = 0
     t_calib = None
+    if args.init_from:  # score the starting drafter too, so --keep-best never saves one worse than it
+        heldout_metrics(0)
     while step < total:
         idx = rng.choice(len(lens), size=args.batch_seqs, replace=len(lens) < args.batch_seqs)
         lr = lr_at(step, total, args.lr, args.warmup)
