@@ -214,25 +214,22 @@ class Engine:
             raise EngineError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(stops)}")
         stops_S = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops_S[: len(stops)] = stops
-        ids = np.arange(B) if request_ids is None else np.asarray(request_ids, np.int32)
-        keys_B = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(jnp.asarray(ids))
+        ids = np.arange(B, dtype=np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
+        key_args = (jax.random.PRNGKey(seed), ids)
+        keys_B = self._program(_request_keys_jit, "request_keys", key_args)(*key_args)
         params = self.target.params
         dparams = None if self.drafter is None else self.drafter.params
         caches = self.target.init_cache(B, L)
-        args = (params, caches, jnp.asarray(tokens_BT), jnp.asarray(lens), keys_B, jnp.asarray(temp), jnp.asarray(tk),
-                jnp.asarray(tp), dparams)
+        # device_put, not jnp.asarray: the latter compiles a small copy program per new shape
+        tokens_BT, lens_B, temp, tk, tp = jax.device_put((tokens_BT, lens, temp, tk, tp))
+        args = (params, caches, tokens_BT, lens_B, keys_B, temp, tk, tp, dparams)
         first_B, caches, extra = self._program(self._prefill, "prefill", args)(*args)
-        M = _bucket(max_new_tokens + self.tokens_per_round, 8)
-        out = jnp.full((B, M), -1, jnp.int32).at[:, 0].set(first_B)
-        stops_j = jnp.asarray(stops_S)
-        done = is_stop(first_B, stops_j) | (max_new_tokens <= 1)
-        R = _bucket(max_new_tokens + 1, 8)
+        sizes = (_bucket(max_new_tokens + self.tokens_per_round, 8), _bucket(max_new_tokens + 1, 8))
+        rows_args = (first_B, stops_S, np.int32(max_new_tokens))
+        rows = self._program(_output_rows_jit, "output_rows", rows_args, sizes)(*rows_args)
         state = DecodeState(
-            caches=caches, lengths=jnp.asarray(lens), bonus=first_B, out=out, n_out=jnp.ones((B,), jnp.int32),
-            done=done, keys=keys_B, temperature=jnp.asarray(temp), top_k=jnp.asarray(tk), top_p=jnp.asarray(tp),
-            stop_ids=stops_j, max_new=jnp.full((B,), max_new_tokens, jnp.int32),
-            acc_hist=jnp.zeros((B, R), jnp.int32), n_rounds=jnp.zeros((B,), jnp.int32),
-            round=jnp.zeros((), jnp.int32), **extra)
+            caches=caches, lengths=lens_B, bonus=first_B, keys=keys_B, temperature=temp, top_k=tk, top_p=tp,
+            **rows, **extra)
         record = dict(B=B, lens=lens, max_new=max_new_tokens)
         return record, self._on_mesh(state)
 
@@ -355,11 +352,12 @@ class Engine:
             state = run(self.target.params, state, dparams)
             n_chunks += 1
             rounds += int(state["round"])
-            for b in np.flatnonzero(np.asarray(state["done"])):
+            host = _host_rows(state)
+            for b in np.flatnonzero(host["done"]):
                 j = row_req[b]
                 if j is None:
                     continue
-                results[j] = self._row_result(state, b, len(toks[j]), stops)
+                results[j] = self._row_result(host, b, len(toks[j]), stops)
                 row_req[b] = None
                 if nxt < N:
                     _, one = self.start([toks[nxt]], **pick([nxt]))
@@ -387,16 +385,43 @@ class Engine:
 
     def _results(self, record, state) -> list[GenerationResult]:
         stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
-        return [self._row_result(state, b, int(record["lens"][b]), stops) for b in range(record["B"])]
+        host = _host_rows(state)
+        return [self._row_result(host, b, int(record["lens"][b]), stops) for b in range(record["B"])]
 
-    def _row_result(self, state, b: int, prompt_len: int, stops: set) -> GenerationResult:
-        n_out, n_rounds = int(state["n_out"][b]), int(state["n_rounds"][b])
-        toks = np.asarray(state["out"][b, :n_out]).tolist()
-        acc = np.asarray(state["acc_hist"][b, :n_rounds]).tolist()
+    def _row_result(self, host, b: int, prompt_len: int, stops: set) -> GenerationResult:
+        n_out, n_rounds = int(host["n_out"][b]), int(host["n_rounds"][b])
+        toks = host["out"][b, :n_out].tolist()
+        acc = host["acc_hist"][b, :n_rounds].tolist()
         reason = "stop" if toks and toks[-1] in stops else "length"
         tok = getattr(self.target, "tokenizer", None)
         text = None if tok is None else tok.decode([t for t in toks if t not in stops])
         return GenerationResult(toks, reason, prompt_len, acc, text, n_rounds)
+
+
+def _request_keys(key, ids_B):
+    """Request i's RNG key: the same in whatever batch row or call it runs."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(ids_B)
+
+
+def _output_rows(first_B, stop_ids_S, max_new, M: int, R: int):
+    """A fresh request's output state: its first token emitted, done if that is a stop or max_new is 1. One
+    program rather than a dozen eager ops: a refilled row builds this at every refill."""
+    B = first_B.shape[0]
+    return dict(out=jnp.full((B, M), -1, jnp.int32).at[:, 0].set(first_B), n_out=jnp.ones((B,), jnp.int32),
+                done=is_stop(first_B, stop_ids_S) | (max_new <= 1), stop_ids=stop_ids_S,
+                max_new=jnp.full((B,), max_new, jnp.int32), acc_hist=jnp.zeros((B, R), jnp.int32),
+                n_rounds=jnp.zeros((B,), jnp.int32), round=jnp.zeros((), jnp.int32))
+
+
+_request_keys_jit = jax.jit(_request_keys)
+_output_rows_jit = jax.jit(_output_rows, static_argnums=(3, 4))
+
+
+def _host_rows(state) -> dict:
+    """The per-row outputs as host numpy arrays, fetched whole: slicing a device array with a row's own length
+    (`out[b, :n]`) compiles a program per distinct length, ~0.1 s each on a GPU, which made refilled decoding
+    ~10x slower than static batches (H100, 2026-12-05)."""
+    return jax.device_get({k: state[k] for k in ("done", "out", "n_out", "n_rounds", "acc_hist")})
 
 
 def _put_row(state, one, b):

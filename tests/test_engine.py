@@ -148,3 +148,25 @@ def test_continuous_batching_equals_one_by_one(tiny_f32, method):
         assert alone == [r.tokens for r in eng.generate(prompts, max_new_tokens=12, stop_ids=stop, max_batch=2)]
     with pytest.raises(EngineError, match="max_batch"):
         eng.generate(prompts, max_batch=0)
+
+
+def test_refilled_decoding_compiles_nothing_once_warm(tiny_f32):
+    """A warm engine serves a refilled run whose requests end at new lengths without compiling anything: a
+    finished row's outputs are read on the host (slicing the device array by each row's length compiled a
+    program per length, ~0.1 s each on a GPU: refilled decoding ran 10x slower than static batches)."""
+    import jax
+
+    eng = Engine(tiny_f32, chunk_rounds=4)
+    prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 4, 6], seed=5)
+    probe = eng.generate(prompts, max_new_tokens=16, stop_ids=[])
+    eng.generate(prompts, max_new_tokens=16, stop_ids=[probe[0].tokens[3]], max_batch=2)  # warm-up
+    compiles = []
+    listen = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else 0
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        got = eng.generate(prompts, max_new_tokens=16, stop_ids=[probe[2].tokens[5], probe[4].tokens[9]],
+                           max_batch=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len({len(r.tokens) for r in got}) > 1
+    assert compiles == []
