@@ -21,7 +21,8 @@ import numpy as np
 from kimijax.sampling import check_sampling_params, sample_tokens
 
 MAX_STOP_IDS = 8
-_PROGRAMS_ATTR = "_kimijax_engine_programs"  # on a target: (drafter id, settings) -> (drafter, jitted programs, compiled)
+# on a target: (drafter id, settings) -> (drafter, jitted prefill, compiled programs); "zero_cache" -> its jitted cache
+_PROGRAMS_ATTR = "_kimijax_engine_programs"
 
 
 class EngineError(ValueError):
@@ -219,7 +220,7 @@ class Engine:
         keys_B = self._program(_request_keys_jit, "request_keys", key_args)(*key_args)
         params = self.target.params
         dparams = None if self.drafter is None else self.drafter.params
-        caches = self.target.init_cache(B, L)
+        caches = self._zero_cache(B, L)
         # device_put, not jnp.asarray: the latter compiles a small copy program per new shape
         tokens_BT, lens_B, temp, tk, tp = jax.device_put((tokens_BT, lens, temp, tk, tp))
         args = (params, caches, tokens_BT, lens_B, keys_B, temp, tk, tp, dparams)
@@ -232,6 +233,17 @@ class Engine:
             **rows, **extra)
         record = dict(B=B, lens=lens, max_new=max_new_tokens)
         return record, self._on_mesh(state)
+
+    def _zero_cache(self, B: int, L: int):
+        """The target's empty cache as one program: eagerly, each layer's zeros is its own dispatch, 6-9 ms for
+        SmolLM2's 30 layers at B=1 on an H100, half of what a refilled row's start costs
+        (scripts/profile_refill.py, 2026-12-05). A mesh target places each layer itself (eager)."""
+        if getattr(self.target, "mesh", None) is not None:
+            return self.target.init_cache(B, L)
+        programs = self.target.__dict__.setdefault(_PROGRAMS_ATTR, {})
+        if "zero_cache" not in programs:
+            programs["zero_cache"] = jax.jit(self.target.init_cache, static_argnums=(0, 1))
+        return self._program(programs["zero_cache"], "zero_cache", (), (B, L))()
 
     def _on_mesh(self, state):
         """On a mesh every state leaf the prefill left on one device goes onto the mesh, replicated, so the chunk
