@@ -5,7 +5,8 @@ the bonus token (committed and emitted, not yet in the cache), an output buffer,
 A round is one AR step (method "ar") or one draft-tree-verify-commit round (methods "dflash", "ddtree",
 see kimijax/spec/round.py). `lax.while_loop` runs up to `chunk_rounds` rounds on device; the host only
 sees finished chunks (that is also the streaming granularity). With `generate(..., max_batch=C)` a chunk ends
-as soon as a request finishes and the host prefills the next prompt into that row (continuous batching).
+as soon as a request finishes and one refill program prefills the next prompts into the freed rows
+(continuous batching).
 """
 
 from __future__ import annotations
@@ -288,6 +289,40 @@ class Engine:
                                          donate_argnums=(1,))
         return self._program(jitted, "chunk", (self.target.params, state, dparams), (self.chunk_rounds, stop_on_done))
 
+    def _refill_fn(self, params, state, caches_K, tokens_KT, lens_K, rows_K, ids_K, temp_K, topk_K, topp_K, key,
+                   dparams, max_new):
+        """Prefill K new requests and write them into rows rows_K of the batch state (rows >= B are padding
+        and dropped): keys, prefill, fresh output rows and the row copies in one program."""
+        keys_K = _request_keys(key, ids_K)
+        first_K, caches_K, extra = self._prefill_fn(params, caches_K, tokens_KT, lens_K, keys_K, temp_K, topk_K,
+                                                    topp_K, dparams)
+        rows = _output_rows(first_K, state["stop_ids"], max_new, state["out"].shape[1], state["acc_hist"].shape[1])
+        new = dict(caches=caches_K, lengths=lens_K, bonus=first_K, keys=keys_K, temperature=temp_K, top_k=topk_K,
+                   top_p=topp_K, **rows, **extra)
+        out = DecodeState(state)
+        for k in state:
+            if k not in ("round", "stop_ids"):  # shared by all rows
+                out[k] = jax.tree_util.tree_map(
+                    lambda big, small: big.at[rows_K].set(small.astype(big.dtype), mode="drop"), state[k], new[k])
+        return out
+
+    def _refill(self, state, rows, toks, ids, temp, topk, topp, key, max_new: int, L: int):
+        """Rows `rows` of the batch state take the prompts `toks` (request ids `ids`). Padded to a power of two
+        of requests and of prompt tokens, so a run compiles a few refill programs, not one per count and length;
+        before this was one program (2026-12-06) a refilled row cost ~23 ms on an H100 (a dozen dispatches)."""
+        B, n = state["lengths"].shape[0], len(rows)
+        K, T = _bucket(n, 1), _bucket(max(map(len, toks)))
+        tokens_KT = np.zeros((K, T), np.int32)
+        for i, t in enumerate(toks):
+            tokens_KT[i, : len(t)] = t
+        pad = lambda v, fill, dt: np.concatenate([np.asarray(v, dt), np.full(K - n, fill, dt)])
+        dparams = None if self.drafter is None else self.drafter.params
+        args = (self.target.params, state, self._zero_cache(K, L), tokens_KT, pad(list(map(len, toks)), 1, np.int32),
+                pad(rows, B, np.int32), pad(ids, 0, np.int32), pad(temp, 0, np.float32), pad(topk, 0, np.int32),
+                pad(topp, 1, np.float32), key, dparams, np.int32(max_new))
+        jitted = self._keeping_shardings("refill_jit", self._refill_fn, state, donate_argnums=(1,))
+        return self._program(jitted, "refill", args)(*args)
+
     def stream(self, prompts, **kw) -> Iterator[list[list[int]]]:
         """Yield, after each device chunk, the new tokens of every request since the previous chunk."""
         record, state = self.start(prompts, **kw)
@@ -360,23 +395,24 @@ class Engine:
         t2, c2 = time.perf_counter(), self.last_compile_s
         stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
         row_req, nxt, results, n_chunks, rounds = first, C, [None] * N, 0, 0
+        key = jax.device_put(jax.random.PRNGKey(seed))
         while any(j is not None for j in row_req):
             state = run(self.target.params, state, dparams)
             n_chunks += 1
             rounds += int(state["round"])
             host = _host_rows(state)
-            for b in np.flatnonzero(host["done"]):
-                j = row_req[b]
-                if j is None:
-                    continue
-                results[j] = self._row_result(host, b, len(toks[j]), stops)
+            free = [int(b) for b in np.flatnonzero(host["done"]) if row_req[b] is not None]
+            for b in free:
+                results[row_req[b]] = self._row_result(host, b, len(toks[row_req[b]]), stops)
                 row_req[b] = None
-                if nxt < N:
-                    _, one = self.start([toks[nxt]], **pick([nxt]))
-                    jitted = self._keeping_shardings("put_row_jit", _put_row, state, donate_argnums=(0,))
-                    put = self._program(jitted, "put_row", (state, one, np.int32(b)))
-                    state = put(state, one, np.int32(b))
-                    row_req[b], nxt = nxt, nxt + 1
+            take = free[: N - nxt]
+            if take:  # every row freed by this chunk takes its next prompt in one program
+                js = list(range(nxt, nxt + len(take)))
+                state = self._refill(state, take, [toks[j] for j in js], js, temp[js], tk[js], tp[js], key,
+                                     max_new_tokens, kw["cache_len"])
+                for b, j in zip(take, js):
+                    row_req[b] = j
+                nxt += len(take)
         t3 = time.perf_counter()
         self._set_stats(results, prefill_s=t1 - t0 - c1, decode_s=t3 - t2 - (self.last_compile_s - c2),
                         chunks=n_chunks, rounds=rounds)
@@ -434,18 +470,6 @@ def _host_rows(state) -> dict:
     (`out[b, :n]`) compiles a program per distinct length, ~0.1 s each on a GPU, which made refilled decoding
     ~10x slower than static batches (H100, 2026-12-05)."""
     return jax.device_get({k: state[k] for k in ("done", "out", "n_out", "n_rounds", "acc_hist")})
-
-
-def _put_row(state, one, b):
-    """State with row b replaced by the one-request state `one` (same cache length); the round counter and
-    the stop ids are shared, not per row."""
-    out = DecodeState(state)
-    for k in state:
-        if k not in ("round", "stop_ids"):
-            out[k] = jax.tree_util.tree_map(
-                lambda big, small: jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), b, 0),
-                state[k], one[k])
-    return out
 
 
 def commit_tokens(st, new_BP, n_B):

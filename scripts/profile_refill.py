@@ -1,14 +1,14 @@
-"""What one refilled row costs: continuous batching (`Engine.generate(..., max_batch=C)`) gives a finished
-request's row to the next prompt, which costs a one-request prefill, a row copy into the batch state and a
-host round trip. This script times those pieces separately on the embedded default's shapes (random SmolLM2
-weights: no piece depends on them) after a warm-up, next to one batch round:
+"""What a refilled row costs: continuous batching (`Engine.generate(..., max_batch=C)`) gives a finished
+request's row to the next prompt, which costs a prefill written into the batch state and a host round trip.
+This script times those pieces separately on the embedded default's shapes (random SmolLM2 weights: no piece
+depends on them) after a warm-up, next to one batch round:
 
   python3 scripts/profile_refill.py --out $OUT/refill.json
 
-  start(1)    prefill of one prompt + its fresh output state (Engine.start with one request)
+  start(1)    a one-request batch state (Engine.start: what a refill cost, plus a row copy, until 2026-12-06)
   init_cache  allocating the one-request cache eagerly (one dispatch per layer; what start did before)
-  zero_cache  the same as one program (what start does since it was measured)
-  put_row     copying that request into row b of the C-row state
+  zero_cache  the same as one program (what start does since)
+  refill(K)   Engine._refill: K prompts prefilled into K rows of the C-row state (zero cache + one program)
   host_rows   fetching the per-row outputs to the host (done at every chunk end)
   round       one batch round at C rows (a chunk of --rounds rounds / --rounds)
 """
@@ -42,7 +42,7 @@ def run(method: str, C: int, args, target, drafter) -> dict:
     import numpy as np
 
     import kimijax
-    from kimijax.engine import _host_rows, _put_row
+    from kimijax.engine import _host_rows
 
     budget = int(method.split(":")[1]) if ":" in method else 1
     eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method.split(":")[0], budget=budget,
@@ -54,35 +54,33 @@ def run(method: str, C: int, args, target, drafter) -> dict:
     _, state = eng.start([prompt() for _ in range(C)], **kw)
     dparams = None if drafter is None or method == "ar" else eng.drafter.params
     chunk = eng._chunk_program(state, dparams)
-    put_jit = eng._keeping_shardings("put_row_jit", _put_row, state, donate_argnums=(0,))
-    _, one = eng.start([prompt()], **kw)
-    put = eng._program(put_jit, "put_row", (state, one, np.int32(0)))
     box = {"state": state}
+    L = kw["cache_len"]
 
     def start_one():
         jax.block_until_ready(eng.start([prompt()], **kw)[1])
 
-    def put_one():
-        _, o = eng.start([prompt()], **kw)
-        jax.block_until_ready(o)
-        t0 = time.perf_counter()
-        box["state"] = jax.block_until_ready(put(box["state"], o, np.int32(1)))
-        return time.perf_counter() - t0
+    def refill(K):
+        rows = list(range(K))
+        box["state"] = jax.block_until_ready(eng._refill(
+            box["state"], rows, [prompt() for _ in rows], rows, np.zeros(K), np.zeros(K, int), np.ones(K),
+            jax.random.PRNGKey(0), args.max_new, L))
 
     def chunk_once():
         s = dict(box["state"])
         s["done"] = s["done"] & False  # keep every row live, so the chunk runs all its rounds
         box["state"] = jax.block_until_ready(chunk(target.params, type(box["state"])(s), dparams))
 
-    start_one(), chunk_once()  # warm
+    start_one(), chunk_once(), refill(1), refill(4)  # warm
     row = dict(method=method, concurrency=C, prompt_len=args.prompt_len, rounds_per_chunk=args.rounds,
                start_one_ms=timed(start_one, args.calls),
                init_cache_ms=timed(lambda: jax.block_until_ready(target.init_cache(1, kw["cache_len"])), args.calls),
                zero_cache_ms=timed(lambda: jax.block_until_ready(eng._zero_cache(1, kw["cache_len"])), args.calls),
-               put_row_ms=1e3 * sorted(put_one() for _ in range(args.calls))[args.calls // 2],
+               refill1_ms=timed(lambda: refill(1), args.calls),
+               refill4_ms=timed(lambda: refill(4), args.calls),
                host_rows_ms=timed(lambda: _host_rows(box["state"]), args.calls),
                round_ms=timed(chunk_once, args.calls) / args.rounds)
-    row["refill_in_rounds"] = (row["start_one_ms"] + row["put_row_ms"]) / row["round_ms"]
+    row["refill_in_rounds"] = row["refill1_ms"] / row["round_ms"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -118,12 +116,12 @@ def main(argv=None) -> int:
           f"{roof / 1e12:.2f} TB/s, weights {weights / 1e6:.0f} MB -> {weights / roof * 1e3:.3f} ms per round"),
           flush=True)
     rows = [run(m, args.concurrency, args, target, drafter) for m in args.methods.split(",")]
-    print("| method | C | start(1) ms | init_cache ms | zero_cache ms | put_row ms | host_rows ms | round ms "
-          "| refill / round |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | C | start(1) ms | init_cache ms | zero_cache ms | refill(1) ms | refill(4) ms | host_rows ms "
+          "| round ms | refill(1) / round |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['concurrency']} | {r['start_one_ms']:.2f} | {r['init_cache_ms']:.2f} | "
-              f"{r['zero_cache_ms']:.2f} | {r['put_row_ms']:.2f} | "
+              f"{r['zero_cache_ms']:.2f} | {r['refill1_ms']:.2f} | {r['refill4_ms']:.2f} | "
               f"{r['host_rows_ms']:.2f} | {r['round_ms']:.2f} | {r['refill_in_rounds']:.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(script="scripts/profile_refill.py", argv=sys.argv[1:],

@@ -150,9 +150,26 @@ def test_continuous_batching_equals_one_by_one(tiny_f32, method):
         eng.generate(prompts, max_batch=0)
 
 
+def test_refill_of_several_rows_at_once_pads_and_matches(tiny_f32):
+    """Requests that finish in the same round free their rows together; one refill program takes the next
+    prompts into all of them, padded to a power of two of rows (3 -> 4 here: the padding row is dropped) and of
+    prompt tokens. Every request still gets exactly the tokens of a static batch, greedy and sampled."""
+    eng = Engine(tiny_f32, chunk_rounds=3)
+    prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 9, 4, 6], seed=13)
+    sizes, refill = [], eng._refill
+    eng._refill = lambda state, rows, *a: sizes.append(len(rows)) or refill(state, rows, *a)
+    for temp in (0.0, 0.8):
+        ref = eng.generate(prompts, max_new_tokens=5, temperature=temp, seed=2, stop_ids=[])
+        got = eng.generate(prompts, max_new_tokens=5, temperature=temp, seed=2, stop_ids=[], max_batch=4)
+        assert [r.tokens for r in got] == [r.tokens for r in ref], temp
+    assert sizes == [3, 3]  # the first 4 requests end together; 3 prompts are left for their rows
+    assert len([k for k in eng._compiled if k[0] == "refill"]) == 1
+
+
 def test_refilled_decoding_compiles_nothing_once_warm(tiny_f32):
-    """A warm engine serves a refilled run whose requests end at new lengths without compiling anything: a
-    finished row's outputs are read on the host (slicing the device array by each row's length compiled a
+    """A warm engine serves a refilled run whose requests end at new lengths without compiling anything but
+    a refill program for a new count of rows freed at once (a power of two, so at most log2(C) + 1 of them):
+    a finished row's outputs are read on the host (slicing the device array by each row's length compiled a
     program per length, ~0.1 s each on a GPU: refilled decoding ran 10x slower than static batches)."""
     import jax
 
@@ -160,6 +177,7 @@ def test_refilled_decoding_compiles_nothing_once_warm(tiny_f32):
     prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 4, 6], seed=5)
     probe = eng.generate(prompts, max_new_tokens=16, stop_ids=[])
     eng.generate(prompts, max_new_tokens=16, stop_ids=[probe[0].tokens[3]], max_batch=2)  # warm-up
+    before = set(eng._compiled)
     compiles = []
     listen = lambda event, secs, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else 0
     jax.monitoring.register_event_duration_secs_listener(listen)
@@ -169,4 +187,6 @@ def test_refilled_decoding_compiles_nothing_once_warm(tiny_f32):
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert len({len(r.tokens) for r in got}) > 1
-    assert compiles == []
+    new = [k for k in eng._compiled if k not in before]
+    assert {k[0] for k in new} <= {"refill", "zero_cache"}
+    assert len(compiles) == len(new)  # nothing compiled outside the engine's own (timed) programs

@@ -129,7 +129,7 @@ def test_greedy_ddtree_matches_single_device(ref, layout):
     eng = Engine(t, d, method="ddtree", budget=4, chunk_rounds=2)  # several chunks: the state goes round again
     res = eng.generate(ref["prompts"], max_new_tokens=8, stop_ids=[])
     assert [r.tokens for r in res] == ref["greedy"]
-    # continuous batching: rows refilled one request at a time keep the mesh's shardings
+    # continuous batching: refilled rows keep the mesh's shardings
     res = eng.generate(ref["prompts"], max_new_tokens=8, stop_ids=[], max_batch=2)
     assert [r.tokens for r in res] == ref["greedy"]
 
