@@ -179,11 +179,13 @@ class Engine:
             raise EngineError("no prompts given")
         return out
 
-    def start(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
-              stop_ids: Sequence[int] | None = None, *, cache_len: int | None = None,
-              request_ids: Sequence[int] | None = None):
-        """Prefill a batch; returns the host-side request record and the device state. cache_len fixes the cache
-        length (default: the smallest power of two >= 64 that fits); request_ids number the requests' RNG
+    def start(self, prompts, max_new_tokens: int | Sequence[int] = 64, temperature=0.0, top_p=1.0, top_k=0,
+              seed: int = 0, stop_ids: Sequence[int] | None = None, *, cache_len: int | None = None,
+              request_ids: Sequence[int] | None = None, out_new_tokens: int | None = None):
+        """Prefill a batch; returns the host-side request record and the device state. max_new_tokens and the
+        sampling parameters are one value or one per prompt. cache_len fixes the cache length (default: the
+        smallest power of two >= 64 that fits); out_new_tokens sizes the output buffers (default: the largest
+        max_new_tokens; refilled rows need room for later requests); request_ids number the requests' RNG
         streams (default 0..B-1), so a request samples the same tokens in whatever batch row it runs."""
         toks = self._encode(prompts)
         B = len(toks)
@@ -193,20 +195,19 @@ class Engine:
             check_sampling_params(temp, tk, tp)
         except ValueError as e:
             raise EngineError(str(e)) from None
-        if max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        new_B = _per_request(max_new_tokens, B)
         lens = np.array([len(t) for t in toks], np.int32)
         for i, n in enumerate(lens):
-            self._check_request(i, int(n), max_new_tokens)
-        need = self.cache_need(int(lens.max()), max_new_tokens)
+            self._check_request(i, int(n), int(new_B[i]))
+        i = int(np.argmax(lens + new_B))
+        need = self.cache_need(int(lens[i]), int(new_B[i]))
         L = _bucket(need, 64) if cache_len is None else cache_len
         if self.max_cache_len is not None:
             L = min(L, self.max_cache_len)
         if need > L:
             which = f"max_cache_len is {self.max_cache_len}" if L == self.max_cache_len else f"cache_len is {L}"
-            raise EngineError(f"cache exhausted: the longest prompt ({lens.max()} tokens) + max_new_tokens "
-                              f"({max_new_tokens}) + tree slack ({need - lens.max() - max_new_tokens}) needs "
-                              f"{need} cache slots, {which}")
+            raise EngineError(f"cache exhausted: prompt {i} ({lens[i]} tokens) + max_new_tokens ({new_B[i]}) + "
+                              f"tree slack ({need - lens[i] - new_B[i]}) needs {need} cache slots, {which}")
         T = _bucket(int(lens.max()))
         tokens_BT = np.zeros((B, T), np.int32)
         for i, t in enumerate(toks):
@@ -226,13 +227,14 @@ class Engine:
         tokens_BT, lens_B, temp, tk, tp = jax.device_put((tokens_BT, lens, temp, tk, tp))
         args = (params, caches, tokens_BT, lens_B, keys_B, temp, tk, tp, dparams)
         first_B, caches, extra = self._program(self._prefill, "prefill", args)(*args)
-        sizes = (_bucket(max_new_tokens + self.tokens_per_round, 8), _bucket(max_new_tokens + 1, 8))
-        rows_args = (first_B, stops_S, np.int32(max_new_tokens))
+        room = int(new_B.max()) if out_new_tokens is None else out_new_tokens
+        sizes = (_bucket(room + self.tokens_per_round, 8), _bucket(room + 1, 8))
+        rows_args = (first_B, stops_S, jax.device_put(new_B))
         rows = self._program(_output_rows_jit, "output_rows", rows_args, sizes)(*rows_args)
         state = DecodeState(
             caches=caches, lengths=lens_B, bonus=first_B, keys=keys_B, temperature=temp, top_k=tk, top_p=tp,
             **rows, **extra)
-        record = dict(B=B, lens=lens, max_new=max_new_tokens)
+        record = dict(B=B, lens=lens, max_new=new_B)
         return record, self._on_mesh(state)
 
     def _zero_cache(self, B: int, L: int):
@@ -290,13 +292,13 @@ class Engine:
         return self._program(jitted, "chunk", (self.target.params, state, dparams), (self.chunk_rounds, stop_on_done))
 
     def _refill_fn(self, params, state, caches_K, tokens_KT, lens_K, rows_K, ids_K, temp_K, topk_K, topp_K, key,
-                   dparams, max_new):
+                   dparams, max_new_K):
         """Prefill K new requests and write them into rows rows_K of the batch state (rows >= B are padding
         and dropped): keys, prefill, fresh output rows and the row copies in one program."""
         keys_K = _request_keys(key, ids_K)
         first_K, caches_K, extra = self._prefill_fn(params, caches_K, tokens_KT, lens_K, keys_K, temp_K, topk_K,
                                                     topp_K, dparams)
-        rows = _output_rows(first_K, state["stop_ids"], max_new, state["out"].shape[1], state["acc_hist"].shape[1])
+        rows = _output_rows(first_K, state["stop_ids"], max_new_K, state["out"].shape[1], state["acc_hist"].shape[1])
         new = dict(caches=caches_K, lengths=lens_K, bonus=first_K, keys=keys_K, temperature=temp_K, top_k=topk_K,
                    top_p=topp_K, **rows, **extra)
         out = DecodeState(state)
@@ -306,7 +308,7 @@ class Engine:
                     lambda big, small: big.at[rows_K].set(small.astype(big.dtype), mode="drop"), state[k], new[k])
         return out
 
-    def _refill(self, state, rows, toks, ids, temp, topk, topp, key, max_new: int, L: int):
+    def _refill(self, state, rows, toks, ids, temp, topk, topp, key, max_new, L: int):
         """Rows `rows` of the batch state take the prompts `toks` (request ids `ids`). Padded to a power of two
         of requests and of prompt tokens, so a run compiles a few refill programs, not one per count and length;
         before this was one program (2026-12-06) a refilled row cost ~23 ms on an H100 (a dozen dispatches)."""
@@ -319,7 +321,7 @@ class Engine:
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, state, self._zero_cache(K, L), tokens_KT, pad(list(map(len, toks)), 1, np.int32),
                 pad(rows, B, np.int32), pad(ids, 0, np.int32), pad(temp, 0, np.float32), pad(topk, 0, np.int32),
-                pad(topp, 1, np.float32), key, dparams, np.int32(max_new))
+                pad(topp, 1, np.float32), key, dparams, pad(max_new, 1, np.int32))
         jitted = self._keeping_shardings("refill_jit", self._refill_fn, state, donate_argnums=(1,))
         return self._program(jitted, "refill", args)(*args)
 
@@ -338,12 +340,13 @@ class Engine:
                 break
             state = run(self.target.params, state, dparams)
 
-    def generate(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_p=1.0, top_k=0, seed: int = 0,
-                 stop_ids: Sequence[int] | None = None, max_batch: int | None = None) -> list[GenerationResult]:
+    def generate(self, prompts, max_new_tokens: int | Sequence[int] = 64, temperature=0.0, top_p=1.0, top_k=0,
+                 seed: int = 0, stop_ids: Sequence[int] | None = None,
+                 max_batch: int | None = None) -> list[GenerationResult]:
         """Generate for a list of prompts. `last_stats` gets timings (compile time excluded from prefill and
-        decode). Sampling parameters are one value or one per prompt. max_batch: at most this many requests on
-        the device at once; a finished request's row takes the next prompt (continuous batching), instead of
-        the whole batch waiting for its longest request."""
+        decode). max_new_tokens and the sampling parameters are one value or one per prompt. max_batch: at most
+        this many requests on the device at once; a finished request's row takes the next prompt (continuous
+        batching), instead of the whole batch waiting for its longest request."""
         if max_batch is not None and max_batch < 1:
             raise EngineError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch is not None and len(prompts) > max_batch:
@@ -379,11 +382,14 @@ class Engine:
         N = len(toks)
         per = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (N,)).copy()
         temp, tp, tk = per(temperature, np.float32), per(top_p, np.float32), per(top_k, np.int32)
+        new = _per_request(max_new_tokens, N)
         for j in range(N):  # every request's errors before any work
-            self._check_request(j, len(toks[j]), max_new_tokens)
-        kw = dict(max_new_tokens=max_new_tokens, seed=seed, stop_ids=stop_ids,
-                  cache_len=_bucket(self.cache_need(max(map(len, toks)), max_new_tokens), 64))
-        pick = lambda js: dict(temperature=temp[js], top_p=tp[js], top_k=tk[js], request_ids=js, **kw)
+            self._check_request(j, len(toks[j]), int(new[j]))
+        j = int(np.argmax([len(t) + n for t, n in zip(toks, new)]))
+        kw = dict(seed=seed, stop_ids=stop_ids, out_new_tokens=int(new.max()),
+                  cache_len=_bucket(self.cache_need(len(toks[j]), int(new[j])), 64))
+        pick = lambda js: dict(temperature=temp[js], top_p=tp[js], top_k=tk[js], max_new_tokens=new[js],
+                               request_ids=js, **kw)
         self.last_compile_s = 0.0
         t0 = time.perf_counter()
         first = list(range(C))
@@ -409,7 +415,7 @@ class Engine:
             if take:  # every row freed by this chunk takes its next prompt in one program
                 js = list(range(nxt, nxt + len(take)))
                 state = self._refill(state, take, [toks[j] for j in js], js, temp[js], tk[js], tp[js], key,
-                                     max_new_tokens, kw["cache_len"])
+                                     new[js], kw["cache_len"])
                 for b, j in zip(take, js):
                     row_req[b] = j
                 nxt += len(take)
@@ -446,18 +452,31 @@ class Engine:
         return GenerationResult(toks, reason, prompt_len, acc, text, n_rounds)
 
 
+def _per_request(max_new_tokens, n: int) -> np.ndarray:
+    """max_new_tokens as one value per request (one value or a sequence of n), each checked >= 1."""
+    v = np.asarray(max_new_tokens)
+    if v.ndim > 1 or (v.ndim == 1 and len(v) != n):
+        raise EngineError(f"max_new_tokens must be one value or one per prompt ({n}), got shape {v.shape}")
+    if v.dtype.kind not in "iu" and not (v.dtype.kind == "f" and np.all(v == np.round(v))):
+        raise EngineError(f"max_new_tokens must be whole numbers, got {max_new_tokens!r}")
+    v = np.broadcast_to(v.astype(np.int64), (n,))
+    if np.any(v < 1):
+        raise EngineError(f"max_new_tokens must be >= 1, got {int(v.min())}")
+    return v.astype(np.int32)
+
+
 def _request_keys(key, ids_B):
     """Request i's RNG key: the same in whatever batch row or call it runs."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(ids_B)
 
 
-def _output_rows(first_B, stop_ids_S, max_new, M: int, R: int):
-    """A fresh request's output state: its first token emitted, done if that is a stop or max_new is 1. One
-    program rather than a dozen eager ops: a refilled row builds this at every refill."""
+def _output_rows(first_B, stop_ids_S, max_new_B, M: int, R: int):
+    """Fresh requests' output state: the first token emitted, done if that is a stop or max_new is 1. One
+    program rather than a dozen eager ops."""
     B = first_B.shape[0]
     return dict(out=jnp.full((B, M), -1, jnp.int32).at[:, 0].set(first_B), n_out=jnp.ones((B,), jnp.int32),
-                done=is_stop(first_B, stop_ids_S) | (max_new <= 1), stop_ids=stop_ids_S,
-                max_new=jnp.full((B,), max_new, jnp.int32), acc_hist=jnp.zeros((B, R), jnp.int32),
+                done=is_stop(first_B, stop_ids_S) | (max_new_B <= 1), stop_ids=stop_ids_S,
+                max_new=max_new_B.astype(jnp.int32), acc_hist=jnp.zeros((B, R), jnp.int32),
                 n_rounds=jnp.zeros((B,), jnp.int32), round=jnp.zeros((), jnp.int32))
 
 

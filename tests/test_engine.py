@@ -166,6 +166,22 @@ def test_refill_of_several_rows_at_once_pads_and_matches(tiny_f32):
     assert len([k for k in eng._compiled if k[0] == "refill"]) == 1
 
 
+def test_max_new_tokens_per_request(tiny_f32):
+    """max_new_tokens may differ per prompt: each request stops at its own count (static batch and refilled
+    rows alike) with the same tokens as a run where all get the largest count; bad values raise clearly."""
+    eng = Engine(tiny_f32, chunk_rounds=4)
+    prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 4], seed=17)
+    counts = [2, 9, 5, 1, 7]
+    full = eng.generate(prompts, max_new_tokens=9, stop_ids=[])
+    for kw in ({}, {"max_batch": 2}):
+        got = eng.generate(prompts, max_new_tokens=counts, stop_ids=[], **kw)
+        assert [r.tokens for r in got] == [f.tokens[:n] for f, n in zip(full, counts)], kw
+        assert all(r.finish_reason == "length" for r in got)
+    for bad, msg in (([3, 4], "one per prompt"), ([3, 0, 1, 1, 1], ">= 1"), (2.5, "whole numbers")):
+        with pytest.raises(EngineError, match=msg):
+            eng.generate(prompts, max_new_tokens=bad)
+
+
 def test_refilled_decoding_compiles_nothing_once_warm(tiny_f32):
     """A warm engine serves a refilled run whose requests end at new lengths without compiling anything but
     a refill program for a new count of rows freed at once (a power of two, so at most log2(C) + 1 of them):
