@@ -8,6 +8,7 @@ depends on them) after a warm-up, next to one batch round:
   start(1)    a one-request batch state (Engine.start: what a refill cost, plus a row copy, until 2026-12-06)
   init_cache  allocating the one-request cache eagerly (one dispatch per layer; what start did before)
   zero_cache  the same as one program (what start does since)
+  prefill(1)  the one-request prefill program alone (with its zero cache), inputs already on the device
   refill(K)   Engine._refill: K prompts prefilled into K rows of the C-row state (zero cache + one program)
   host_rows   fetching the per-row outputs to the host (done at every chunk end)
   round       one batch round at C rows (a chunk of --rounds rounds / --rounds)
@@ -42,7 +43,7 @@ def run(method: str, C: int, args, target, drafter) -> dict:
     import numpy as np
 
     import kimijax
-    from kimijax.engine import _host_rows
+    from kimijax.engine import _bucket, _host_rows
 
     budget = int(method.split(":")[1]) if ":" in method else 1
     eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method.split(":")[0], budget=budget,
@@ -64,7 +65,7 @@ def run(method: str, C: int, args, target, drafter) -> dict:
         rows = list(range(K))
         box["state"] = jax.block_until_ready(eng._refill(
             box["state"], rows, [prompt() for _ in rows], rows, np.zeros(K), np.zeros(K, int), np.ones(K),
-            jax.random.PRNGKey(0), args.max_new, L))
+            jax.random.PRNGKey(0), np.full(K, args.max_new), L))
 
     def chunk_once():
         s = dict(box["state"])
@@ -72,10 +73,20 @@ def run(method: str, C: int, args, target, drafter) -> dict:
         box["state"] = jax.block_until_ready(chunk(target.params, type(box["state"])(s), dparams))
 
     start_one(), chunk_once(), refill(1), refill(4)  # warm
+    # the one-request prefill program alone (compiled by start_one), on device-resident inputs: how much of
+    # a refill is the prompt pass itself rather than the keys, output rows, row copies and host bookkeeping
+    prefill = [v for k, v in eng._compiled.items() if k[0] == "prefill"][-1]
+    toks = np.zeros((1, _bucket(args.prompt_len)), np.int32)
+    toks[0, :args.prompt_len] = prompt()
+    pre_args = jax.device_put((toks, np.full(1, args.prompt_len, np.int32), jax.random.split(jax.random.PRNGKey(1), 1),
+                               np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32)))
+    prefill_one = lambda: jax.block_until_ready(prefill(target.params, eng._zero_cache(1, L), *pre_args, dparams))
+    prefill_one()
     row = dict(method=method, concurrency=C, prompt_len=args.prompt_len, rounds_per_chunk=args.rounds,
                start_one_ms=timed(start_one, args.calls),
                init_cache_ms=timed(lambda: jax.block_until_ready(target.init_cache(1, kw["cache_len"])), args.calls),
                zero_cache_ms=timed(lambda: jax.block_until_ready(eng._zero_cache(1, kw["cache_len"])), args.calls),
+               prefill1_ms=timed(prefill_one, args.calls),
                refill1_ms=timed(lambda: refill(1), args.calls),
                refill4_ms=timed(lambda: refill(4), args.calls),
                host_rows_ms=timed(lambda: _host_rows(box["state"]), args.calls),
@@ -116,12 +127,13 @@ def main(argv=None) -> int:
           f"{roof / 1e12:.2f} TB/s, weights {weights / 1e6:.0f} MB -> {weights / roof * 1e3:.3f} ms per round"),
           flush=True)
     rows = [run(m, args.concurrency, args, target, drafter) for m in args.methods.split(",")]
-    print("| method | C | start(1) ms | init_cache ms | zero_cache ms | refill(1) ms | refill(4) ms | host_rows ms "
-          "| round ms | refill(1) / round |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| method | C | start(1) ms | init_cache ms | zero_cache ms | prefill(1) ms | refill(1) ms | refill(4) ms "
+          "| host_rows ms | round ms | refill(1) / round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['method']} | {r['concurrency']} | {r['start_one_ms']:.2f} | {r['init_cache_ms']:.2f} | "
-              f"{r['zero_cache_ms']:.2f} | {r['refill1_ms']:.2f} | {r['refill4_ms']:.2f} | "
+              f"{r['zero_cache_ms']:.2f} | {r.get('prefill1_ms', float('nan')):.2f} | {r['refill1_ms']:.2f} | "
+              f"{r['refill4_ms']:.2f} | "
               f"{r['host_rows_ms']:.2f} | {r['round_ms']:.2f} | {r['refill_in_rounds']:.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(script="scripts/profile_refill.py", argv=sys.argv[1:],
