@@ -189,18 +189,11 @@ class Engine:
         streams (default 0..B-1), so a request samples the same tokens in whatever batch row it runs."""
         toks = self._encode(prompts)
         B = len(toks)
-        as_rows = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (B,)).copy()
-        temp, tp, tk = as_rows(temperature, np.float32), as_rows(top_p, np.float32), as_rows(top_k, np.int32)
-        try:
-            check_sampling_params(temp, tk, tp)
-        except ValueError as e:
-            raise EngineError(str(e)) from None
-        new_B = _per_request(max_new_tokens, B)
+        temp, tp, tk, new_B = _sampling_rows(B, temperature, top_p, top_k, max_new_tokens)
         lens = np.array([len(t) for t in toks], np.int32)
         for i, n in enumerate(lens):
             self._check_request(i, int(n), int(new_B[i]))
-        i = int(np.argmax(lens + new_B))
-        need = self.cache_need(int(lens[i]), int(new_B[i]))
+        i, need = self._largest_need(lens, new_B)
         L = _bucket(need, 64) if cache_len is None else cache_len
         if self.max_cache_len is not None:
             L = min(L, self.max_cache_len)
@@ -208,10 +201,7 @@ class Engine:
             which = f"max_cache_len is {self.max_cache_len}" if L == self.max_cache_len else f"cache_len is {L}"
             raise EngineError(f"cache exhausted: prompt {i} ({lens[i]} tokens) + max_new_tokens ({new_B[i]}) + "
                               f"tree slack ({need - lens[i] - new_B[i]}) needs {need} cache slots, {which}")
-        T = _bucket(int(lens.max()))
-        tokens_BT = np.zeros((B, T), np.int32)
-        for i, t in enumerate(toks):
-            tokens_BT[i, : len(t)] = t
+        tokens_BT = _prompt_array(toks, B)
         stops = list(self.target.stop_ids if stop_ids is None else stop_ids)
         if len(stops) > MAX_STOP_IDS:
             raise EngineError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(stops)}")
@@ -231,9 +221,7 @@ class Engine:
         sizes = (_bucket(room + self.tokens_per_round, 8), _bucket(room + 1, 8))
         rows_args = (first_B, stops_S, jax.device_put(new_B))
         rows = self._program(_output_rows_jit, "output_rows", rows_args, sizes)(*rows_args)
-        state = DecodeState(
-            caches=caches, lengths=lens_B, bonus=first_B, keys=keys_B, temperature=temp, top_k=tk, top_p=tp,
-            **rows, **extra)
+        state = _request_state(caches, lens_B, first_B, keys_B, temp, tk, tp, rows, extra)
         record = dict(B=B, lens=lens, max_new=new_B)
         return record, self._on_mesh(state)
 
@@ -261,6 +249,11 @@ class Engine:
     def cache_need(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache slots a request needs: prompt + new tokens + one round's tree and commit slack."""
         return prompt_len + max_new_tokens + self.verify_width + self.tokens_per_round
+
+    def _largest_need(self, lens, new) -> tuple[int, int]:
+        """The request needing the most cache slots, and how many."""
+        i = int(np.argmax(np.asarray(lens) + np.asarray(new)))
+        return i, self.cache_need(int(lens[i]), int(new[i]))
 
     def _program(self, jitted, name: str, args, static=()):
         """The compiled program of `jitted` for these arguments' shapes (compiled once per shape; the compile
@@ -299,8 +292,7 @@ class Engine:
         first_K, caches_K, extra = self._prefill_fn(params, caches_K, tokens_KT, lens_K, keys_K, temp_K, topk_K,
                                                     topp_K, dparams)
         rows = _output_rows(first_K, state["stop_ids"], max_new_K, state["out"].shape[1], state["acc_hist"].shape[1])
-        new = dict(caches=caches_K, lengths=lens_K, bonus=first_K, keys=keys_K, temperature=temp_K, top_k=topk_K,
-                   top_p=topp_K, **rows, **extra)
+        new = _request_state(caches_K, lens_K, first_K, keys_K, temp_K, topk_K, topp_K, rows, extra)
         out = DecodeState(state)
         for k in state:
             if k not in ("round", "stop_ids"):  # shared by all rows
@@ -313,10 +305,8 @@ class Engine:
         of requests and of prompt tokens, so a run compiles a few refill programs, not one per count and length;
         before this was one program (2026-12-06) a refilled row cost ~23 ms on an H100 (a dozen dispatches)."""
         B, n = state["lengths"].shape[0], len(rows)
-        K, T = _bucket(n, 1), _bucket(max(map(len, toks)))
-        tokens_KT = np.zeros((K, T), np.int32)
-        for i, t in enumerate(toks):
-            tokens_KT[i, : len(t)] = t
+        K = _bucket(n, 1)
+        tokens_KT = _prompt_array(toks, K)
         pad = lambda v, fill, dt: np.concatenate([np.asarray(v, dt), np.full(K - n, fill, dt)])
         dparams = None if self.drafter is None else self.drafter.params
         args = (self.target.params, state, self._zero_cache(K, L), tokens_KT, pad(list(map(len, toks)), 1, np.int32),
@@ -380,14 +370,11 @@ class Engine:
         stops as soon as a request finishes, the host collects it and prefills the next prompt into its row."""
         toks = self._encode(prompts)
         N = len(toks)
-        per = lambda v, dt: np.broadcast_to(np.asarray(v, dt), (N,)).copy()
-        temp, tp, tk = per(temperature, np.float32), per(top_p, np.float32), per(top_k, np.int32)
-        new = _per_request(max_new_tokens, N)
+        temp, tp, tk, new = _sampling_rows(N, temperature, top_p, top_k, max_new_tokens)
         for j in range(N):  # every request's errors before any work
             self._check_request(j, len(toks[j]), int(new[j]))
-        j = int(np.argmax([len(t) + n for t, n in zip(toks, new)]))
         kw = dict(seed=seed, stop_ids=stop_ids, out_new_tokens=int(new.max()),
-                  cache_len=_bucket(self.cache_need(len(toks[j]), int(new[j])), 64))
+                  cache_len=_bucket(self._largest_need([len(t) for t in toks], new)[1], 64))
         pick = lambda js: dict(temperature=temp[js], top_p=tp[js], top_k=tk[js], max_new_tokens=new[js],
                                request_ids=js, **kw)
         self.last_compile_s = 0.0
@@ -452,17 +439,42 @@ class Engine:
         return GenerationResult(toks, reason, prompt_len, acc, text, n_rounds)
 
 
-def _per_request(max_new_tokens, n: int) -> np.ndarray:
-    """max_new_tokens as one value per request (one value or a sequence of n), each checked >= 1."""
-    v = np.asarray(max_new_tokens)
+def _per_prompt(name: str, value, n: int, dtype) -> np.ndarray:
+    """A parameter given as one value or one per prompt, as n values."""
+    v = np.asarray(value)
     if v.ndim > 1 or (v.ndim == 1 and len(v) != n):
-        raise EngineError(f"max_new_tokens must be one value or one per prompt ({n}), got shape {v.shape}")
-    if v.dtype.kind not in "iu" and not (v.dtype.kind == "f" and np.all(v == np.round(v))):
-        raise EngineError(f"max_new_tokens must be whole numbers, got {max_new_tokens!r}")
-    v = np.broadcast_to(v.astype(np.int64), (n,))
-    if np.any(v < 1):
-        raise EngineError(f"max_new_tokens must be >= 1, got {int(v.min())}")
-    return v.astype(np.int32)
+        raise EngineError(f"{name} must be one value or one per prompt ({n}), got shape {v.shape}")
+    if np.dtype(dtype).kind == "i" and v.dtype.kind not in "iu" and not (
+            v.dtype.kind == "f" and np.all(v == np.round(v))):
+        raise EngineError(f"{name} must be whole numbers, got {value!r}")
+    return np.broadcast_to(v.astype(dtype), (n,)).copy()
+
+
+def _sampling_rows(n: int, temperature, top_p, top_k, max_new_tokens):
+    """Per-request temperature, top_p, top_k and max_new_tokens (each one value or one per prompt), checked."""
+    temp, tp = _per_prompt("temperature", temperature, n, np.float32), _per_prompt("top_p", top_p, n, np.float32)
+    tk, new = _per_prompt("top_k", top_k, n, np.int32), _per_prompt("max_new_tokens", max_new_tokens, n, np.int32)
+    try:
+        check_sampling_params(temp, tk, tp)
+    except ValueError as e:
+        raise EngineError(str(e)) from None
+    if np.any(new < 1):
+        raise EngineError(f"max_new_tokens must be >= 1, got {int(new.min())}")
+    return temp, tp, tk, new
+
+
+def _prompt_array(toks, rows: int) -> np.ndarray:
+    """Prompts as a zero-padded [rows, T] array, T a power of two (a few prefill shapes, not one per length)."""
+    out = np.zeros((rows, _bucket(max(map(len, toks)))), np.int32)
+    for i, t in enumerate(toks):
+        out[i, : len(t)] = t
+    return out
+
+
+def _request_state(caches, lens, first, keys, temp, top_k, top_p, rows, extra) -> DecodeState:
+    """Fresh requests' device state, as start() and a refill build it."""
+    return DecodeState(caches=caches, lengths=lens, bonus=first, keys=keys, temperature=temp, top_k=top_k,
+                       top_p=top_p, **rows, **extra)
 
 
 def _request_keys(key, ids_B):

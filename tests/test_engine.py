@@ -180,6 +180,8 @@ def test_max_new_tokens_per_request(tiny_f32):
     for bad, msg in (([3, 4], "one per prompt"), ([3, 0, 1, 1, 1], ">= 1"), (2.5, "whole numbers")):
         with pytest.raises(EngineError, match=msg):
             eng.generate(prompts, max_new_tokens=bad)
+    with pytest.raises(EngineError, match="temperature must be one value or one per prompt"):
+        eng.generate(prompts, temperature=[0.5, 0.7])
 
 
 def test_refilled_decoding_compiles_nothing_once_warm(tiny_f32):
