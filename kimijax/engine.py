@@ -125,14 +125,16 @@ class Engine:
         extra = {} if self.round is None else self.round.init_state(dparams, cap, lens_B, L)
         return first_B, caches, extra
 
-    def _chunk_fn(self, params, state, dparams, n_rounds: int, stop_on_done: bool = False):
-        """Up to n_rounds rounds on device, stopping early when every request is done (stop_on_done: as soon
-        as any request finishes, so the host can give its row to the next prompt)."""
+    def _chunk_fn(self, params, state, dparams, min_freed, n_rounds: int, stop_on_done: bool = False):
+        """Up to n_rounds rounds on device, stopping early when every request is done (stop_on_done: also as
+        soon as min_freed requests have finished in this chunk, so the host can give their rows to the next
+        prompts; min_freed is traced, so changing it compiles nothing)."""
         done0 = state["done"]
 
         def cond(st):
             go = (st["round"] < n_rounds) & ~jnp.all(st["done"])
-            return go & ~jnp.any(st["done"] & ~done0) if stop_on_done else go
+            freed = jnp.sum((st["done"] & ~done0).astype(jnp.int32))
+            return go & (freed < min_freed) if stop_on_done else go
 
         def body(st):
             st = DecodeState(st)
@@ -280,9 +282,10 @@ class Engine:
 
     def _chunk_program(self, state, dparams, stop_on_done: bool = False):
         """The compiled chunk program for this state's shapes and shardings (compiled once, timed separately)."""
-        jitted = self._keeping_shardings("chunk_jit", self._chunk_fn, state, static_argnums=(3, 4),
+        jitted = self._keeping_shardings("chunk_jit", self._chunk_fn, state, static_argnums=(4, 5),
                                          donate_argnums=(1,))
-        return self._program(jitted, "chunk", (self.target.params, state, dparams), (self.chunk_rounds, stop_on_done))
+        args = (self.target.params, state, dparams, np.int32(1))
+        return self._program(jitted, "chunk", args, (self.chunk_rounds, stop_on_done))
 
     def _refill_fn(self, params, state, caches_K, tokens_KT, lens_K, rows_K, ids_K, temp_K, topk_K, topp_K, key,
                    dparams, max_new_K):
@@ -328,19 +331,24 @@ class Engine:
             seen = n_out.copy()
             if bool(np.all(np.asarray(state["done"]))):
                 break
-            state = run(self.target.params, state, dparams)
+            state = run(self.target.params, state, dparams, np.int32(1))
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 64, temperature=0.0, top_p=1.0, top_k=0,
                  seed: int = 0, stop_ids: Sequence[int] | None = None,
-                 max_batch: int | None = None) -> list[GenerationResult]:
+                 max_batch: int | None = None, refill_min: int = 1) -> list[GenerationResult]:
         """Generate for a list of prompts. `last_stats` gets timings (compile time excluded from prefill and
         decode). max_new_tokens and the sampling parameters are one value or one per prompt. max_batch: at most
         this many requests on the device at once; a finished request's row takes the next prompt (continuous
-        batching), instead of the whole batch waiting for its longest request."""
+        batching), instead of the whole batch waiting for its longest request. refill_min: with max_batch, the
+        device loop returns to the host once this many rows are free (or fewer prompts wait), so one refill
+        program serves several rows (each return costs a host round trip and a prefill launch)."""
         if max_batch is not None and max_batch < 1:
             raise EngineError(f"max_batch must be >= 1, got {max_batch}")
+        if isinstance(refill_min, bool) or not isinstance(refill_min, (int, np.integer)) or refill_min < 1:
+            raise EngineError(f"refill_min must be an integer >= 1, got {refill_min!r}")
         if max_batch is not None and len(prompts) > max_batch:
-            return self._generate_refill(prompts, max_batch, max_new_tokens, temperature, top_p, top_k, seed, stop_ids)
+            return self._generate_refill(prompts, max_batch, max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
+                                         int(refill_min))
         self.last_compile_s = 0.0
         t0 = time.perf_counter()
         record, state = self.start(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -352,7 +360,7 @@ class Engine:
         t2 = time.perf_counter()
         n_chunks = 0
         while not bool(np.all(np.asarray(state["done"]))):
-            state = run(self.target.params, state, dparams)
+            state = run(self.target.params, state, dparams, np.int32(1))
             n_chunks += 1
         jax.block_until_ready(state["out"])
         t3 = time.perf_counter()
@@ -364,10 +372,12 @@ class Engine:
             self.last_stats["distinct_experts_per_layer"] = per_round.tolist()
         return results
 
-    def _generate_refill(self, prompts, C: int, max_new_tokens, temperature, top_p, top_k, seed, stop_ids):
+    def _generate_refill(self, prompts, C: int, max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
+                         refill_min: int = 1):
         """generate() with C rows for len(prompts) > C requests: every request has its own RNG stream
         (request_ids) and all share one cache length, so one chunk program serves the whole run; a chunk
-        stops as soon as a request finishes, the host collects it and prefills the next prompt into its row."""
+        stops once min(refill_min, prompts waiting) requests have finished, the host collects them and prefills
+        the next prompts into their rows. With no prompt waiting, chunks run on until every row is done."""
         toks = self._encode(prompts)
         N = len(toks)
         temp, tp, tk, new = _sampling_rows(N, temperature, top_p, top_k, max_new_tokens)
@@ -387,10 +397,11 @@ class Engine:
         run = self._chunk_program(state, dparams, stop_on_done=True)
         t2, c2 = time.perf_counter(), self.last_compile_s
         stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
-        row_req, nxt, results, n_chunks, rounds = first, C, [None] * N, 0, 0
+        row_req, nxt, results, n_chunks, rounds, n_refills = first, C, [None] * N, 0, 0, 0
         key = jax.device_put(jax.random.PRNGKey(seed))
         while any(j is not None for j in row_req):
-            state = run(self.target.params, state, dparams)
+            waiting = N - nxt  # no prompt waiting: nothing to refill, so no reason to stop early
+            state = run(self.target.params, state, dparams, np.int32(min(refill_min, waiting) if waiting else C + 1))
             n_chunks += 1
             rounds += int(state["round"])
             host = _host_rows(state)
@@ -400,6 +411,7 @@ class Engine:
                 row_req[b] = None
             take = free[: N - nxt]
             if take:  # every row freed by this chunk takes its next prompt in one program
+                n_refills += 1
                 js = list(range(nxt, nxt + len(take)))
                 state = self._refill(state, take, [toks[j] for j in js], js, temp[js], tk[js], tp[js], key,
                                      new[js], kw["cache_len"])
@@ -408,7 +420,7 @@ class Engine:
                 nxt += len(take)
         t3 = time.perf_counter()
         self._set_stats(results, prefill_s=t1 - t0 - c1, decode_s=t3 - t2 - (self.last_compile_s - c2),
-                        chunks=n_chunks, rounds=rounds)
+                        chunks=n_chunks, rounds=rounds, refills=n_refills)
         return results
 
     def _check_request(self, i: int, n: int, max_new_tokens: int):

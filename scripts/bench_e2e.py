@@ -110,12 +110,12 @@ def run_grid(args) -> dict:
                                        why=f"needs {C} held-out prompts, have {len(chats)}"))
             continue
         eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1))
-        new, dec_s, pre_s, rounds, compile_s, acc, outs = 0, 0.0, 0.0, 0, 0.0, [], []
+        new, dec_s, pre_s, rounds, compile_s, acc, outs, chunks, refills = 0, 0.0, 0.0, 0, 0.0, [], [], 0, 0
         # nb batches of C requests, or one run of K x C requests through C rows refilled as requests finish
         batches = [chats[j * C:(j + 1) * C] for j in range(nb)]
         kw = {}
         if args.continuous:
-            nb, batches, kw = 1, [chats[:args.continuous * C]], dict(max_batch=C)
+            nb, batches, kw = 1, [chats[:args.continuous * C]], dict(max_batch=C, refill_min=args.refill_min)
         for j, batch in enumerate(batches):  # throughput over all of them
             r = eng.generate(batch, max_new_tokens=args.max_new, temperature=temp, seed=args.seed + j, **kw)
             st = eng.last_stats
@@ -124,13 +124,15 @@ def run_grid(args) -> dict:
             pre_s += st["prefill_s"]
             rounds += st["rounds"]
             compile_s += st["compile_s"]
+            chunks, refills = chunks + st["chunks"], refills + st.get("refills", 0)
             acc += [a for x in r for a in x.acceptance_lengths]
             outs += [hashlib.sha1(json.dumps(x.tokens).encode()).hexdigest()[:16] for x in r]
         row = dict(temperature=temp, concurrency=C, method=name, budget=budget, batches=nb, call=len(res["calls"]) - 1,
                    requests=len(outs), continuous=bool(args.continuous),
                    new_tokens=new, decode_s=dec_s, prefill_s=pre_s, tokens_per_s=new / max(dec_s, 1e-9),
                    ms_per_round=1e3 * dec_s / max(rounds, 1), rounds=rounds, compile_s=compile_s,
-                   mean_acceptance=sum(acc) / len(acc) if acc else 1.0)
+                   mean_acceptance=sum(acc) / len(acc) if acc else 1.0, chunks=chunks, refills=refills,
+                   refill_min=args.refill_min if args.continuous else None)
         if method == "ar":
             ar_tokens[(temp, C)] = row["output_digests"] = outs
         elif temp == 0.0 and (temp, C) in ar_tokens:
@@ -221,6 +223,8 @@ def main(argv=None) -> int:
                    help="continuous batching: each row serves K x C held-out requests through C rows that take the "
                         "next request as one finishes (Engine.generate max_batch=C); 0 = static batches. Its decode "
                         "time includes the one-request prefills of the refilled rows (static rows' prefill_s is apart)")
+    p.add_argument("--refill-min", type=int, default=1,
+                   help="with --continuous: return to the host to refill once this many rows are free (Engine.generate)")
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--split-at", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32],

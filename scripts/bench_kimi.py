@@ -560,7 +560,7 @@ def run_engine_case(sl: Slice, method: str, B: int, ctx: int, args, deadline: fl
         return st
 
     def call(st):
-        st = run(params, st, dparams)
+        st = run(params, st, dparams, np.int32(1))
         jax.block_until_ready(st["lengths"])
         return st
 

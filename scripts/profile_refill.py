@@ -70,7 +70,7 @@ def run(method: str, C: int, args, target, drafter) -> dict:
     def chunk_once():
         s = dict(box["state"])
         s["done"] = s["done"] & False  # keep every row live, so the chunk runs all its rounds
-        box["state"] = jax.block_until_ready(chunk(target.params, type(box["state"])(s), dparams))
+        box["state"] = jax.block_until_ready(chunk(target.params, type(box["state"])(s), dparams, np.int32(1)))
 
     start_one(), chunk_once(), refill(1), refill(4)  # warm
     # the one-request prefill program alone (compiled by start_one), on device-resident inputs: how much of

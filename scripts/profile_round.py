@@ -119,13 +119,13 @@ def run_case(target, drafter, method: str, budget: int, C: int, args) -> dict:
         st["done"], st["n_rounds"] = jnp.zeros_like(st["done"]), jnp.zeros_like(st["n_rounds"])
         return st
 
-    box = [run(params, reset(st), dparams)]
+    box = [run(params, reset(st), dparams, np.int32(1))]
     jax.block_until_ready(box[0]["lengths"])
     times = []
     for _ in range(args.calls):
         s = reset(box[0])
         t = time.perf_counter()
-        box[0] = run(params, s, dparams)
+        box[0] = run(params, s, dparams, np.int32(1))
         jax.block_until_ready(box[0]["lengths"])
         times.append(time.perf_counter() - t)
     rounds = int(box[0]["round"])
@@ -134,7 +134,7 @@ def run_case(target, drafter, method: str, budget: int, C: int, args) -> dict:
                round_ms=float(np.median(times)) * 1e3 / max(rounds, 1))
 
     def prof():
-        box[0] = run(params, reset(box[0]), dparams)
+        box[0] = run(params, reset(box[0]), dparams, np.int32(1))
         jax.block_until_ready(box[0]["lengths"])
 
     dev, host = profile_events(prof)

@@ -166,6 +166,31 @@ def test_refill_of_several_rows_at_once_pads_and_matches(tiny_f32):
     assert len([k for k in eng._compiled if k[0] == "refill"]) == 1
 
 
+def test_refill_min_gathers_freed_rows_and_tail_runs_through(tiny_f32):
+    """refill_min=k: the device loop returns only once k rows are free (or fewer prompts wait), so each refill
+    program takes several rows; once no prompt waits, one chunk runs every row to its end. Tokens equal a
+    static batch whatever k is."""
+    eng = Engine(tiny_f32, chunk_rounds=64)  # chunks end only on freed rows, never on the round cap
+    prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 9, 4, 6, 3, 5, 8], seed=19)
+    counts = [2, 5, 3, 9, 4, 7, 6, 2, 8, 3]  # every request ends at its own round
+    ref = eng.generate(prompts, max_new_tokens=counts, temperature=0.8, seed=4, stop_ids=[])
+    sizes, refill = [], eng._refill
+    eng._refill = lambda state, rows, *a: sizes.append(len(rows)) or refill(state, rows, *a)
+    for k in (1, 3):
+        sizes.clear()
+        got = eng.generate(prompts, max_new_tokens=counts, temperature=0.8, seed=4, stop_ids=[], max_batch=4,
+                           refill_min=k)
+        assert [r.tokens for r in got] == [r.tokens for r in ref], k
+        waiting = [6 - sum(sizes[:i]) for i in range(len(sizes))]
+        assert all(n >= min(k, w) for n, w in zip(sizes, waiting)), (k, sizes)
+        assert sum(sizes) == 6 and eng.last_stats["refills"] == len(sizes)
+        assert eng.last_stats["chunks"] == len(sizes) + 1  # one chunk after the last refill runs to the end
+    assert max(sizes) >= 3
+    for bad in (0, 1.5, True):
+        with pytest.raises(EngineError, match="refill_min"):
+            eng.generate(prompts, max_batch=4, refill_min=bad)
+
+
 def test_max_new_tokens_per_request(tiny_f32):
     """max_new_tokens may differ per prompt: each request stops at its own count (static batch and refilled
     rows alike) with the same tokens as a run where all get the largest count; bad values raise clearly."""
