@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out prompts from this index on pick the saved checkpoint (the bench uses < 192)")
     g.add_argument("--keep-best", action=argparse.BooleanOptionalAction, default=True,
                    help="save the checkpoint with the best validation acceptance instead of the last")
+    g.add_argument("--save-best", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --keep-best: also write each new best to --out as training goes (a run stopped "
+                        "early, e.g. killed at a device call's time limit, still leaves its best drafter)")
     return p
 
 
@@ -551,6 +554,10 @@ def main(argv=None) -> int:
                 best.update(val_accept=out["val_accept"], step=step,
                             params=jax.tree_util.tree_map(jnp.copy, dparams))  # the step donates dparams
                 msg += " (best so far)"
+                if args.save_best and step > 0:
+                    save_drafter(Drafter(dcfg, best["params"]), args.out, dtype="bfloat16")
+                    shard_safetensors(Path(args.out), args.shard_mib)
+                    msg += f", saved to {args.out}"
         held_hist.append(out)
         tqdm.write(f"step {step}: held-out teacher-forced accept {out['accept']:.2f}, top1 {out['top1']:.3f}, "
                    f"loss {out['loss']:.3f}{msg}")
