@@ -403,12 +403,18 @@ SMOKE = dict(num_prompts=12, num_heldout=6, max_prompt_tokens=160, max_new_token
              eval_prompts=2, eval_max_new=16, time_budget_min=30.0, eval_reserve_min=0.0, val_from=4)
 
 
+def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Destinations of the options present in argv (as `--opt value` or `--opt=value`)."""
+    words = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    return {a.dest for a in parser._actions if words & set(a.option_strings)}
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.smoke:
-        defaults = build_parser().parse_args([])
-        for k, v in SMOKE.items():  # smoke values unless given explicitly
-            if getattr(args, k) == getattr(defaults, k):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.smoke:  # smoke values unless given on the command line (also when given equal to the default)
+        for k, v in SMOKE.items():
+            if k not in given_options(parser, sys.argv[1:] if argv is None else argv):
                 setattr(args, k, v)
     t_start = time.time()
     if args.phase != "all" and not args.data_cache:

@@ -72,3 +72,10 @@ def test_smoke_run_saves_best_as_it_goes(tmp_path):
 
     drafter = kimijax.load_drafter(out, load_llama_gguf(None, dtype="float32"))
     assert drafter.cfg.block_size == 8 and drafter.cfg.num_hidden_layers == 1
+
+
+def test_smoke_keeps_options_given_equal_to_their_defaults():
+    p = td.build_parser()
+    argv = ["--smoke", "--block-size", "16", "--layers=3", "--out", "x"]
+    assert td.given_options(p, argv) == {"smoke", "block_size", "layers", "out"}
+    assert td.given_options(p, ["--no-keep-best"]) == {"keep_best"}
