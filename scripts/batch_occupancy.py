@@ -52,10 +52,10 @@ def schedule_ms(rounds_per_batch: list[list[int]], cost, C: int, return_ms: floa
             shrink += cost(bucket)
         live += int(rs.sum())
         total += C * T
-    all_rounds = sorted(r for rs in rounds_per_batch for r in rs)
+    all_rounds = [r for rs in rounds_per_batch for r in rs]  # requests in order
     # free refill: C rows, each takes the next request the round its last one ends (greedy list scheduling)
     rows = np.zeros(C, np.int64)
-    for r in [r for rs in rounds_per_batch for r in rs]:
+    for r in all_rounds:
         rows[np.argmin(rows)] += r
     refill_rounds = int(rows.max())
     return dict(batch_rounds=sum(int(max(rs)) for rs in rounds_per_batch), live_row_rounds=live, row_rounds=total,
@@ -82,14 +82,13 @@ def main(argv=None) -> int:
         rounds = json.loads(Path(args.rounds_json).read_text())["rounds"]
     else:
         import kimijax
+        from bench_e2e import heldout_chats  # the same requests as bench_e2e's rows
         from kimijax.defaults import smollm2_drafter_dir
         from kimijax.gguf_loading import load_llama_gguf
 
         target = load_llama_gguf(None, dtype="float32")
         drafter = kimijax.load_drafter(smollm2_drafter_dir(), target)
-        held = json.loads((smollm2_drafter_dir() / "heldout_prompts.json").read_text())["prompts"]
-        chats = [target.tokenizer.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in held]
-        chats = [c for c in chats if len(c) <= 384][: C * args.batches]  # the same requests as bench_e2e's rows
+        chats = heldout_chats(target, smollm2_drafter_dir() / "heldout_prompts.json", 384)[: C * args.batches]
         rounds = {}
         for m in methods:
             name, _, b = m.partition(":")

@@ -58,6 +58,14 @@ def label(method: str, budget: int) -> str:
     return f"ddtree:{budget}" if method == "ddtree" else method
 
 
+def heldout_chats(target, prompts_json, max_prompt_tokens: int) -> list[list[int]]:
+    """The held-out prompts as chat-template token ids, in file order, those longer than max_prompt_tokens left out
+    (every script that reports on "the held-out requests" takes them from here, so they are the same requests)."""
+    held = json.loads(Path(prompts_json).read_text())["prompts"]
+    chats = [target.tokenizer.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in held]
+    return [c for c in chats if len(c) <= max_prompt_tokens]
+
+
 def run_grid(args) -> dict:
     import jax
 
@@ -68,9 +76,7 @@ def run_grid(args) -> dict:
     dev = jax.devices()[0]
     target = load_llama_gguf(args.gguf, dtype=args.dtype, progress=True)
     drafter = kimijax.load_drafter(args.drafter, target)
-    held = json.loads((Path(args.prompts or Path(args.drafter) / "heldout_prompts.json")).read_text())["prompts"]
-    chats = [target.tokenizer.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in held]
-    chats = [c for c in chats if len(c) <= args.max_prompt_tokens]
+    chats = heldout_chats(target, args.prompts or Path(args.drafter) / "heldout_prompts.json", args.max_prompt_tokens)
     # HBM read roof in this run (GPU only) and the weight bytes a decode step must read at least once
     weights_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(target.params))
     roof = None
