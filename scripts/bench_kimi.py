@@ -718,19 +718,20 @@ class Components:
             return loop_ms(lambda _: f(keys, lg, temp, top_k, top_p), None)
         return self._timed(("accept", B, T), build)
 
-    def drafter(self, B, S, L):
+    def drafter(self, B, S, L, budget):
         import jax
         import jax.numpy as jnp
 
         def build():
             dr, tgt = self.sl.drafter, self.sl.target
-            f = jax.jit(lambda dp, tp, dc, s, b: dr.draft_logits(dp, tgt, tp, dc, s, b, self.args.draft_window))
+            n = min(dr.cfg.block_size - 1, budget)  # the rows a budget-b tree uses, as in SpecRound.draft
+            f = jax.jit(lambda dp, tp, dc, s, b: dr.draft_logits(dp, tgt, tp, dc, s, b, self.args.draft_window, n))
             Lc = drafter_slots(self.sl.info, L)  # a ring of window + block slots with --draft-window
             dc = [self._rand(x.shape, x.dtype) for x in jax.eval_shape(lambda: dr.init_cache(B, Lc))]
             s = jnp.full((B,), S, jnp.int32)
             b = jnp.ones((B,), jnp.int32)
             return loop_ms(lambda _: f(dr.params, tgt.params, dc, s, b), None)
-        return self._timed(("drafter", B, L), build)
+        return self._timed(("drafter", B, L, budget), build)
 
     def tree(self, B, budget):
         import jax
@@ -740,7 +741,7 @@ class Components:
         def build():
             r = SpecRound(self.sl.target, self.sl.drafter, "ddtree", budget, None, self.args.draft_window)
             f = jax.jit(r.build_tree)
-            lg = self._rand((B, r.depth, self.cfg.vocab_size), jnp.float32) * 3
+            lg = self._rand((B, r.draft_depths, self.cfg.vocab_size), jnp.float32) * 3
             return loop_ms(lambda _: f(lg), None)
         return self._timed(("tree", B, budget), build)
 
@@ -779,7 +780,7 @@ def run_component_case(comp: Components, method: str, B: int, ctx: int, args) ->
         dc = B * drafter_slots(comp.sl.info, ctx) * comp.sl.info["drafter_kv_row"] * comp.sl.info["drafter_layers"]
         ok, why = fits(dc + 4 * B * block * comp.cfg.vocab_size * 2)
         if ok:
-            rec["drafter_ms"] = comp.drafter(B, S, ctx)
+            rec["drafter_ms"] = comp.drafter(B, S, ctx, b)
         else:
             rec["drafter_skipped"] = "memory: the drafter context cache " + why
         rec["tree_ms"] = comp.tree(B, b)

@@ -107,6 +107,8 @@ def run_case(target, drafter, method: str, budget: int, C: int, args) -> dict:
 
     eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1),
                          chunk_rounds=args.rounds)
+    if args.all_depths and eng.round is not None:  # A/B: draft every depth, as before draft_depths existed
+        eng.round.draft_depths = eng.round.depth
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, target.vocab_size, args.prompt_len).tolist() for _ in range(C)]
     max_new = args.rounds * eng.tokens_per_round + 1
@@ -177,6 +179,8 @@ def main(argv=None) -> int:
                     help="random weights in the drafter's config (round time does not depend on them)")
     ap.add_argument("--f32-dots", default="highest", choices=("highest", "tf32x3", "bf16x6"),
                     help="experiment: the dot algorithm of a float32 target's matmuls (the Engine uses highest)")
+    ap.add_argument("--all-depths", action="store_true",
+                    help="experiment: draft logits for all block_size-1 depths, not just the budget's")
     ap.add_argument("--dtype", default="float32", help="target dtype (float32 is what the CLI serves)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=16, help="rounds per timed call (the Engine's device loop)")

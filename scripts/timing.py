@@ -61,7 +61,7 @@ def round_split(engine, prompts, round_s: float, reps: int = 20) -> dict:
     _, st = engine.start(prompts, max_new_tokens=8, stop_ids=[])
     tp, dp = engine.target.params, engine.drafter.params
     S, bonus = st["lengths"], st["bonus"]
-    f_draft = jax.jit(lambda dp, tp, dc, S, b: r.drafter.draft_logits(dp, r.target, tp, dc, S, b, r.window))
+    f_draft = jax.jit(r.draft)
     dl = f_draft(dp, tp, st["dcache"], S, bonus)
     f_tree = jax.jit(r.build_tree)
     tree = f_tree(dl)

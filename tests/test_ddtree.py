@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from kimijax.spec import ddtree
@@ -199,3 +200,19 @@ def test_chunked_top_k_equals_lax_top_k():
             got = chunked_top_k(x, k, chunk)
             np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]), err_msg=f"k={k} chunk={chunk}")
             np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=f"k={k} chunk={chunk}")
+
+
+@pytest.mark.parametrize("L,budget", [(15, 4), (15, 8), (7, 7), (5, 9)])
+def test_tree_from_first_budget_depths_is_the_same(L, budget):
+    # SpecRound drafts only min(L, budget) depths: a budget-N tree never goes deeper than N, so the tree built
+    # from those rows must equal the one built from all L (ties included), max_depth aside.
+    rng = np.random.default_rng(L * 100 + budget)
+    V = 11
+    logits = rng.integers(-1, 2, size=(B, L, V)).astype(np.float32)
+    logits[: B // 2] = (rng.normal(size=(B // 2, L, V)) * 3).astype(np.float32)
+    full = build_batch(logits, budget, None)
+    n = min(L, budget)
+    short = build_batch(logits[:, :n], budget, None)
+    for f in ("tokens", "parents", "depths", "ranks", "scores", "valid", "ancestor_mask", "first_child",
+              "next_sibling"):
+        np.testing.assert_array_equal(getattr(short, f), getattr(full, f), err_msg=f)

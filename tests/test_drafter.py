@@ -188,6 +188,20 @@ def test_forward_matches_reference(cfg, window, base, tmp_path):
         np.testing.assert_allclose(np.asarray(got[b]), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def test_draft_logits_first_depths(base):
+    # depths=n: the first n rows of the full block's logits (the block still runs whole), for SpecRound's
+    # budget-N trees; out-of-range n is an error, not a silent clip.
+    cache = _fill(base, _feats(2))
+    full = np.asarray(logits(base, cache, S2, BONUS2))
+    f = jax.jit(lambda dp, tp, c, s, b: base.draft_logits(dp, TGT, tp, c, s, b, depths=3))
+    got = np.asarray(f(base.params, TGT.params, cache, jnp.asarray(S2, jnp.int32), jnp.asarray(BONUS2, jnp.int32)))
+    assert got.shape == (2, 3, V)
+    np.testing.assert_allclose(got, full[:, :3], rtol=1e-6, atol=1e-6)
+    for bad in (0, base.cfg.block_size):
+        with pytest.raises(DrafterError, match="depths"):
+            base.draft_logits(base.params, TGT, TGT.params, cache, S2, BONUS2, depths=bad)
+
+
 def test_window_changes_only_long_contexts(base):
     cache = _fill(base, _feats(2))
     full = logits(base, cache, S2, BONUS2)

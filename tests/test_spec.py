@@ -46,8 +46,8 @@ class OracleDrafter:
     def append_context(self, dcache, rows, start):
         return self.inner.append_context(dcache, rows, start)
 
-    def draft_logits(self, dp, target, tparams, dcache, S_B, bonus_B, window=None):
-        real = self.inner.draft_logits(dp["inner"], target, tparams, dcache, S_B, bonus_B, window)
+    def draft_logits(self, dp, target, tparams, dcache, S_B, bonus_B, window=None, depths=None):
+        real = self.inner.draft_logits(dp["inner"], target, tparams, dcache, S_B, bonus_B, window, depths)
         B, L, V = real.shape
         seq = dp["seq"]
         pos = jnp.clip(S_B[:, None] + 1 + jnp.arange(L)[None], 0, seq.shape[1] - 1)

@@ -295,12 +295,18 @@ class Drafter:
         kv, ctx_pos_BL, valid_BL = self._window_view(dcache, ctx_len_B, window)
         return self.module.apply({"params": dparams}, x_BTD, pos_BT, kv, ctx_pos_BL, valid_BL, method=DFlash.block)
 
-    def draft_logits(self, dparams, target, tparams, dcache, ctx_len_B, bonus_B, window: int | None = None):
+    def draft_logits(self, dparams, target, tparams, dcache, ctx_len_B, bonus_B, window: int | None = None,
+                     depths: int | None = None):
         """f32 logits [B, bs-1, V]; row i-1 is the draft distribution of the token at position S+i (no shift).
 
         ctx_len_B = S (committed tokens with context rows in dcache, slots 0..S-1); bonus_B = the token at S.
-        window: the drafter sees only context slots S-window .. S-1 (absolute rope positions kept)."""
-        h_BTD = self.block_hidden(dparams, target, tparams, dcache, ctx_len_B, bonus_B, window)[:, 1:]
+        window: the drafter sees only context slots S-window .. S-1 (absolute rope positions kept).
+        depths: only the first `depths` rows [B, depths, V] (the block still runs whole, so they are the same
+        values): a DDTree of budget N never reaches below depth N, and the lm_head is the drafter's largest dot."""
+        L = self.cfg.block_size - 1
+        if depths is not None and not 1 <= depths <= L:
+            raise DrafterError(f"depths={depths} outside 1..{L} (block_size - 1)")
+        h_BTD = self.block_hidden(dparams, target, tparams, dcache, ctx_len_B, bonus_B, window)[:, 1:1 + (depths or L)]
         tdt = getattr(target, "dtype", None)
         if tdt is not None:
             h_BTD = h_BTD.astype(tdt)

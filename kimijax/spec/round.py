@@ -24,6 +24,9 @@ class SpecRound:
         self.block = drafter.cfg.block_size
         self.depth = self.block - 1  # L: drafted depths
         self.nodes = budget if method == "ddtree" else self.depth
+        # Drafted depths the tree can use: a budget-N tree has depth <= N, so b4 at block 16 needs 4 of the
+        # 15 rows of draft logits (lm_head and vocabulary top-K over a quarter of the rows).
+        self.draft_depths = min(self.depth, self.nodes)
         self.topk_cap, self.window = topk_cap, draft_window
         self.capture_layers = tuple(drafter.cfg.target_layer_ids)
         self.moe_layers = [i for i in range(target.num_layers)
@@ -69,8 +72,16 @@ class SpecRound:
             K = ddtree.tree_width(self.nodes, draft_logits_BLV.shape[-1], self.topk_cap)
             with jax.named_scope("ddtree_topk"):
                 top_logp_BLK, top_tokens_BLK = tree_topk(draft_logits_BLV, K)
-            return jax.vmap(lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes))(top_logp_BLK, top_tokens_BLK)
+            tree = jax.vmap(lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes))(top_logp_BLK, top_tokens_BLK)
+            # From draft_depths rows the tree is the same as from all L (tested); the walk and the emitted
+            # tokens keep the round's static width L + 1.
+            return tree.replace(max_depth=self.depth)
         return jax.vmap(ddtree.chain_tree)(draft_logits_BLV)
+
+    def draft(self, dparams, params, dcache, S_B, bonus_B):
+        """Draft logits [B, draft_depths, V] for this round's tree."""
+        return self.drafter.draft_logits(dparams, self.target, params, dcache, S_B, bonus_B, self.window,
+                                         depths=self.draft_depths)
 
     def __call__(self, params, dparams, st):
         from kimijax.engine import commit_tokens, row_keys
@@ -79,7 +90,7 @@ class SpecRound:
         S_B, bonus_B = st["lengths"], st["bonus"]
         B = S_B.shape[0]
         with jax.named_scope("draft"):
-            dl_BLV = dr.draft_logits(dparams, tgt, params, st["dcache"], S_B, bonus_B, self.window)
+            dl_BLV = self.draft(dparams, params, st["dcache"], S_B, bonus_B)
         with jax.named_scope("tree"):
             tree = self.build_tree(dl_BLV)
             tokens_BN = jnp.where(jnp.arange(self.width)[None] == 0, bonus_B[:, None], jnp.maximum(tree.tokens, 0))
