@@ -335,18 +335,24 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 64, temperature=0.0, top_p=1.0, top_k=0,
                  seed: int = 0, stop_ids: Sequence[int] | None = None,
-                 max_batch: int | None = None, refill_min: int = 1) -> list[GenerationResult]:
+                 max_batch: int | None = None, refill_min: int = 1, shrink: bool = False) -> list[GenerationResult]:
         """Generate for a list of prompts. `last_stats` gets timings (compile time excluded from prefill and
         decode). max_new_tokens and the sampling parameters are one value or one per prompt. max_batch: at most
         this many requests on the device at once; a finished request's row takes the next prompt (continuous
         batching), instead of the whole batch waiting for its longest request. refill_min: with max_batch, the
         device loop returns to the host once this many rows are free (or fewer prompts wait), so one refill
-        program serves several rows (each return costs a host round trip and a prefill launch)."""
+        program serves several rows (each return costs a host round trip and a prefill launch). shrink: once
+        at most half of a batch's rows are still running, they move to a batch of the next power of two, so
+        the finished rows stop costing compute (one more chunk program per batch size; not on a mesh)."""
         if max_batch is not None and max_batch < 1:
             raise EngineError(f"max_batch must be >= 1, got {max_batch}")
         if isinstance(refill_min, bool) or not isinstance(refill_min, (int, np.integer)) or refill_min < 1:
             raise EngineError(f"refill_min must be an integer >= 1, got {refill_min!r}")
+        if shrink and getattr(self.target, "mesh", None) is not None:
+            raise EngineError("shrink is not supported for a target on a mesh (batch rows are sharded there)")
         if max_batch is not None and len(prompts) > max_batch:
+            if shrink:
+                raise EngineError("shrink applies to one batch; with max_batch the free rows take new prompts")
             return self._generate_refill(prompts, max_batch, max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
                                          int(refill_min))
         self.last_compile_s = 0.0
@@ -356,21 +362,55 @@ class Engine:
         jax.block_until_ready(state["out"])
         t1, c1 = time.perf_counter(), self.last_compile_s
         dparams = None if self.drafter is None else self.drafter.params
-        run = self._chunk_program(state, dparams)
-        t2 = time.perf_counter()
-        n_chunks = 0
-        while not bool(np.all(np.asarray(state["done"]))):
-            state = run(self.target.params, state, dparams, np.int32(1))
+        run = self._chunk_program(state, dparams, stop_on_done=shrink)
+        t2, c2 = time.perf_counter(), self.last_compile_s
+        stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
+        B = record["B"]
+        row_req = np.arange(B)  # batch row -> request (-1: a padding row)
+        results, experts = [None] * B, [None] * B
+
+        def collect(host, rows):  # finished requests' results (and MoE stats) from these batch rows
+            for b in rows:
+                j = int(row_req[b])
+                results[j] = self._row_result(host, b, int(record["lens"][j]), stops)
+                if "experts" in host:  # mean over rounds, per MoE layer
+                    experts[j] = (host["experts"][b] / max(int(host["n_rounds"][b]), 1)).tolist()
+
+        n_chunks, rounds, n_shrinks = 0, 0, 0
+        done = np.asarray(state["done"])
+        while not done.all():
+            rows = done.shape[0]
+            # shrink: stop as soon as the live rows fit in half the batch (min_freed is traced: no recompile)
+            k = int((~done).sum()) - rows // 2 if shrink and rows > 1 else 1
+            state = run(self.target.params, state, dparams, np.int32(k))
             n_chunks += 1
+            rounds += int(state["round"])
+            done = np.asarray(state["done"])
+            if shrink and not done.all() and int((~done).sum()) <= rows // 2:
+                host = _host_rows(state)
+                collect(host, np.flatnonzero(host["done"] & (row_req >= 0)))
+                state, row_req = self._shrink(state, host["done"], row_req)
+                run = self._chunk_program(state, dparams, stop_on_done=True)
+                done = np.asarray(state["done"])
+                n_shrinks += 1
         jax.block_until_ready(state["out"])
         t3 = time.perf_counter()
-        results = self._results(record, state)
-        self._set_stats(results, prefill_s=t1 - t0 - c1, decode_s=t3 - t2, chunks=n_chunks,
-                        rounds=int(np.asarray(state["n_rounds"]).max()))
-        if self.round is not None and "experts" in state:  # mean over rounds, per request and MoE layer
-            per_round = np.asarray(state["experts"]) / np.maximum(np.asarray(state["n_rounds"]), 1)[:, None]
-            self.last_stats["distinct_experts_per_layer"] = per_round.tolist()
+        collect(_host_rows(state), np.flatnonzero(row_req >= 0))
+        self._set_stats(results, prefill_s=t1 - t0 - c1, decode_s=t3 - t2 - (self.last_compile_s - c2),
+                        chunks=n_chunks, rounds=rounds, **({"shrinks": n_shrinks} if shrink else {}))
+        if experts[0] is not None:
+            self.last_stats["distinct_experts_per_layer"] = experts
         return results
+
+    def _shrink(self, state, done_B, row_req):
+        """The live rows (in order) into a batch of the next power of two, padded with copies of a finished
+        row (done, so they change nothing). -> (state, row_req of the new batch)."""
+        live = np.flatnonzero(~done_B)
+        n = _bucket(len(live), 1)
+        idx = np.concatenate([live, np.full(n - len(live), np.flatnonzero(done_B)[0])]).astype(np.int32)
+        row_req = np.where(np.arange(n) < len(live), row_req[idx], -1)
+        args = (state, jax.device_put(idx))
+        return self._program(_take_rows_jit, "take_rows", args)(*args), row_req
 
     def _generate_refill(self, prompts, C: int, max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
                          refill_min: int = 1):
@@ -436,11 +476,6 @@ class Engine:
                                decode_tokens_per_s=(n_new - len(results)) / max(kw["decode_s"], 1e-9),
                                mean_acceptance=float(np.mean(acc)) if acc else float("nan"))
 
-    def _results(self, record, state) -> list[GenerationResult]:
-        stops = set(int(s) for s in np.asarray(state["stop_ids"]) if s >= 0)
-        host = _host_rows(state)
-        return [self._row_result(host, b, int(record["lens"][b]), stops) for b in range(record["B"])]
-
     def _row_result(self, host, b: int, prompt_len: int, stops: set) -> GenerationResult:
         n_out, n_rounds = int(host["n_out"][b]), int(host["n_rounds"][b])
         toks = host["out"][b, :n_out].tolist()
@@ -504,6 +539,13 @@ def _output_rows(first_B, stop_ids_S, max_new_B, M: int, R: int):
                 n_rounds=jnp.zeros((B,), jnp.int32), round=jnp.zeros((), jnp.int32))
 
 
+def _take_rows(state, idx):
+    """Rows idx of every per-request leaf (the round counter and stop ids are shared)."""
+    return DecodeState({k: v if k in ("round", "stop_ids") else jax.tree_util.tree_map(lambda x: x[idx], v)
+                        for k, v in state.items()})
+
+
+_take_rows_jit = jax.jit(_take_rows)
 _request_keys_jit = jax.jit(_request_keys)
 _output_rows_jit = jax.jit(_output_rows, static_argnums=(3, 4))
 
@@ -512,7 +554,8 @@ def _host_rows(state) -> dict:
     """The per-row outputs as host numpy arrays, fetched whole: slicing a device array with a row's own length
     (`out[b, :n]`) compiles a program per distinct length, ~0.1 s each on a GPU, which made refilled decoding
     ~10x slower than static batches (H100, 2026-12-05)."""
-    return jax.device_get({k: state[k] for k in ("done", "out", "n_out", "n_rounds", "acc_hist")})
+    return jax.device_get({k: state[k] for k in ("done", "out", "n_out", "n_rounds", "acc_hist", "experts")
+                           if k in state})
 
 
 def commit_tokens(st, new_BP, n_B):

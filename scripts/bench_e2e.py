@@ -13,6 +13,8 @@ stops starting new rows and lists the ones left out.
   python scripts/bench_e2e.py --out $OUT/bench_e2e.json                      # the full grid (GPU)
   python scripts/bench_e2e.py --temps 0 --concurrency 1,32 --methods ar,dflash,ddtree:16 --out e2e.json
   python scripts/bench_e2e.py --continuous 3 --out cont.json                 # K x C requests through C refilled rows
+  python scripts/bench_e2e.py --batches 3 --shrink --out shrink.json         # static batches whose live rows move to
+                                                                             # smaller batches as requests finish
   python scripts/bench_e2e.py --report e2e.json --plot e2e.png               # table + plot from a JSON
 """
 
@@ -116,10 +118,10 @@ def run_grid(args) -> dict:
                                        why=f"needs {C} held-out prompts, have {len(chats)}"))
             continue
         eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1))
-        new, dec_s, pre_s, rounds, compile_s, acc, outs, chunks, refills = 0, 0.0, 0.0, 0, 0.0, [], [], 0, 0
+        new, dec_s, pre_s, rounds, compile_s, acc, outs, chunks, refills, shrinks = 0, 0.0, 0.0, 0, 0.0, [], [], 0, 0, 0
         # nb batches of C requests, or one run of K x C requests through C rows refilled as requests finish
         batches = [chats[j * C:(j + 1) * C] for j in range(nb)]
-        kw = {}
+        kw = dict(shrink=True) if args.shrink and C > 1 else {}
         if args.continuous:
             nb, batches, kw = 1, [chats[:args.continuous * C]], dict(max_batch=C, refill_min=args.refill_min)
         for j, batch in enumerate(batches):  # throughput over all of them
@@ -130,7 +132,7 @@ def run_grid(args) -> dict:
             pre_s += st["prefill_s"]
             rounds += st["rounds"]
             compile_s += st["compile_s"]
-            chunks, refills = chunks + st["chunks"], refills + st.get("refills", 0)
+            chunks, refills, shrinks = chunks + st["chunks"], refills + st.get("refills", 0), shrinks + st.get("shrinks", 0)
             acc += [a for x in r for a in x.acceptance_lengths]
             outs += [hashlib.sha1(json.dumps(x.tokens).encode()).hexdigest()[:16] for x in r]
         row = dict(temperature=temp, concurrency=C, method=name, budget=budget, batches=nb, call=len(res["calls"]) - 1,
@@ -138,7 +140,8 @@ def run_grid(args) -> dict:
                    new_tokens=new, decode_s=dec_s, prefill_s=pre_s, tokens_per_s=new / max(dec_s, 1e-9),
                    ms_per_round=1e3 * dec_s / max(rounds, 1), rounds=rounds, compile_s=compile_s,
                    mean_acceptance=sum(acc) / len(acc) if acc else 1.0, chunks=chunks, refills=refills,
-                   refill_min=args.refill_min if args.continuous else None)
+                   refill_min=args.refill_min if args.continuous else None, shrink=bool(kw.get("shrink")),
+                   shrinks=shrinks)
         if method == "ar":
             ar_tokens[(temp, C)] = row["output_digests"] = outs
         elif temp == 0.0 and (temp, C) in ar_tokens:
@@ -165,7 +168,8 @@ def table(res: dict) -> str:
     for r in sorted(res["rows"], key=order):
         s = r.get("split_ms", {})
         f = lambda k: f"{s[k]:.2f}" if k in s else ""
-        m = r["method"] + (f" ({r['requests']} req. refilled)" if r.get("continuous") else "")
+        m = r["method"] + (f" ({r['requests']} req. refilled)" if r.get("continuous") else "") + (
+            " (shrinking)" if r.get("shrink") else "")
         lines.append(f"| {r['temperature']:g} | {r['concurrency']} | {m} | {r['tokens_per_s']:.0f} | "
                      f"{r.get('speedup_vs_ar', 1.0):.2f} | {r['mean_acceptance']:.2f} | {r['ms_per_round']:.2f} | "
                      f"{f('draft_ms')} | {f('tree_ms')} | {f('verify_ms')} | {f('accept_commit_ms')} | "
@@ -231,6 +235,9 @@ def main(argv=None) -> int:
                         "time includes the one-request prefills of the refilled rows (static rows' prefill_s is apart)")
     p.add_argument("--refill-min", type=int, default=1,
                    help="with --continuous: return to the host to refill once this many rows are free (Engine.generate)")
+    p.add_argument("--shrink", action="store_true",
+                   help="static batches (C > 1) move their live rows to a batch of the next power of two once at most "
+                        "half run (Engine.generate shrink=True); not with --continuous")
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--split-at", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 32],
@@ -249,6 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--report", default=None, help="only print the table (and --plot) of this JSON")
     p.add_argument("--plot", default=None, help="write a matplotlib plot here")
     args = p.parse_args(argv)
+    if args.shrink and args.continuous:
+        p.error("--shrink is for static batches; --continuous refills the free rows instead")
     if args.report:
         res = json.loads(Path(args.report).read_text())
     else:

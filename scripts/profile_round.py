@@ -107,7 +107,7 @@ def run_case(target, drafter, method: str, budget: int, C: int, args) -> dict:
 
     eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1),
                          chunk_rounds=args.rounds)
-    if args.all_depths and eng.round is not None:  # A/B: draft every depth, as before draft_depths existed
+    if args.all_depths and eng.round is not None:  # A/B: draft and commit every depth, as before draft_depths
         eng.round.draft_depths = eng.round.depth
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, target.vocab_size, args.prompt_len).tolist() for _ in range(C)]

@@ -191,6 +191,43 @@ def test_refill_min_gathers_freed_rows_and_tail_runs_through(tiny_f32):
             eng.generate(prompts, max_batch=4, refill_min=bad)
 
 
+def _tiny_drafter(target):
+    from kimijax.models.drafter import DrafterConfig, random_drafter
+
+    c = target.cfg
+    dcfg = DrafterConfig(hidden_size=c.hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=64, block_size=4,
+                         mask_token_id=c.vocab_size - 2, target_layer_ids=(0, 2),
+                         num_target_layers=c.num_hidden_layers, vocab_size=c.vocab_size)
+    return random_drafter(dcfg, target, seed=3)
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_shrink_moves_live_rows_and_matches(tiny_f32, method):
+    """shrink=True: once at most half the rows run, they move to a batch of the next power of two (7 rows ->
+    4 -> 2 -> 1 here). Every request keeps exactly its tokens, acceptance lengths and (MoE) expert counts of
+    the static batch, greedy and sampled; the batch rounds are the same."""
+    eng = Engine(tiny_f32, _tiny_drafter(tiny_f32) if method == "ddtree" else None, method=method, budget=3,
+                 chunk_rounds=64)
+    prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 9, 4, 6], seed=23)
+    counts = [3, 14, 5, 21, 7, 11, 9]  # every request ends at its own round
+    for temp in (0.0, 0.8):
+        ref = eng.generate(prompts, max_new_tokens=counts, temperature=temp, seed=5, stop_ids=[])
+        ref_stats = dict(eng.last_stats)
+        got = eng.generate(prompts, max_new_tokens=counts, temperature=temp, seed=5, stop_ids=[], shrink=True)
+        assert [r.tokens for r in got] == [r.tokens for r in ref], temp
+        assert [r.acceptance_lengths for r in got] == [r.acceptance_lengths for r in ref]
+        assert [r.prompt_tokens for r in got] == [len(p) for p in prompts]
+        assert eng.last_stats["rounds"] == ref_stats["rounds"]
+        assert eng.last_stats["shrinks"] >= 2
+        if method == "ddtree":
+            np.testing.assert_allclose(eng.last_stats["distinct_experts_per_layer"],
+                                       ref_stats["distinct_experts_per_layer"])
+    assert len([k for k in eng._compiled if k[0] == "chunk"]) >= 4  # 7 rows (stop_on_done off and on), 4, 2, ...
+    with pytest.raises(EngineError, match="shrink"):
+        eng.generate(prompts, max_batch=2, shrink=True)
+
+
 def test_max_new_tokens_per_request(tiny_f32):
     """max_new_tokens may differ per prompt: each request stops at its own count (static batch and refilled
     rows alike) with the same tokens as a run where all get the largest count; bad values raise clearly."""

@@ -6,7 +6,8 @@
   4 accept   one target choice per node (argmax or an independent sample); walk while it is a child
   5 commit   compact the accepted rows of the target cache to S..S+A-1; append the drafter context
              K/V computed from the target hidden states at the accepted node indices
-Static shapes throughout: N+1 verify slots, L+1 = block_size emitted slots.
+Static shapes throughout: N+1 verify slots, D+1 emitted slots, where D = min(N, L) drafted depths (L =
+block_size - 1): a budget-N tree is at most N deep, so the rows past depth N are never drafted, walked or committed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class SpecRound:
         self.depth = self.block - 1  # L: drafted depths
         self.nodes = budget if method == "ddtree" else self.depth
         # Drafted depths the tree can use: a budget-N tree has depth <= N, so b4 at block 16 needs 4 of the
-        # 15 rows of draft logits (lm_head and vocabulary top-K over a quarter of the rows).
+        # 15 rows of draft logits (lm_head and vocabulary top-K over a quarter of the rows), and commits at
+        # most 5 rows (cache compaction and drafter context K/V over 5 rows, not 16).
         self.draft_depths = min(self.depth, self.nodes)
         self.topk_cap, self.window = topk_cap, draft_window
         self.capture_layers = tuple(drafter.cfg.target_layer_ids)
@@ -38,7 +40,7 @@ class SpecRound:
 
     @property
     def max_commit(self) -> int:  # accepted draft tokens + the new bonus
-        return self.depth + 1
+        return self.draft_depths + 1
 
     def drafter_cache_len(self, L: int) -> int:
         """Drafter context slots: the whole context, or with a draft window W a ring of W + one round's rows."""
@@ -72,10 +74,9 @@ class SpecRound:
             K = ddtree.tree_width(self.nodes, draft_logits_BLV.shape[-1], self.topk_cap)
             with jax.named_scope("ddtree_topk"):
                 top_logp_BLK, top_tokens_BLK = tree_topk(draft_logits_BLV, K)
-            tree = jax.vmap(lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes))(top_logp_BLK, top_tokens_BLK)
-            # From draft_depths rows the tree is the same as from all L (tested); the walk and the emitted
-            # tokens keep the round's static width L + 1.
-            return tree.replace(max_depth=self.depth)
+            # From draft_depths rows the tree is the same as from all L (tested); its max_depth (draft_depths)
+            # sets the walk's steps and the emitted width max_commit.
+            return jax.vmap(lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes))(top_logp_BLK, top_tokens_BLK)
         return jax.vmap(ddtree.chain_tree)(draft_logits_BLV)
 
     def draft(self, dparams, params, dcache, S_B, bonus_B):
