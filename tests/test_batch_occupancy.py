@@ -1,5 +1,6 @@
 """scripts/batch_occupancy.py: the schedule arithmetic on hand-checked cases (no model)."""
 
+import json
 import os
 import sys
 
@@ -31,3 +32,20 @@ def test_round_costs_reads_static_rows():
                       dict(method="ar", temperature=0.0, concurrency=32, ms_per_round=9.9, continuous=True),
                       dict(method="ar", temperature=0.7, concurrency=8, ms_per_round=5.0)]}
     assert bo.round_costs(bench, "ar") == {1: 1.2, 32: 2.6}
+
+
+def test_unpriced_method_is_counted_not_priced(tmp_path, capsys):
+    # a method without static rows in --costs is still counted (batch rounds 2 + 1, occupancy 5 of 6 row-rounds),
+    # just not priced
+    bench = {"device": "x", "rows": [dict(method="ar", temperature=0.0, concurrency=c, ms_per_round=1.0 + c / 32)
+                                     for c in (1, 32)]}
+    (tmp_path / "costs.json").write_text(json.dumps(bench))
+    rounds = {"ar": [[4, 3], [2, 2]], "ddtree:2": [[2, 1], [1, 1]]}
+    (tmp_path / "rounds.json").write_text(json.dumps({"rounds": rounds}))
+    assert bo.round_costs(bench, "ddtree:2") == {}
+    out = tmp_path / "out.json"
+    assert bo.main(["--costs", str(tmp_path / "costs.json"), "--rounds-json", str(tmp_path / "rounds.json"),
+                    "--methods", "ar,ddtree:2", "--concurrency", "2", "--batches", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "counted, not priced" in text and "| ddtree:2 | 3 | 83% | no costs |" in text
+    assert json.loads(out.read_text())["methods"]["ddtree:2"]["batch_rounds"] == 3
