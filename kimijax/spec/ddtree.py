@@ -36,7 +36,8 @@ always precede children and siblings appear in rank order):
   ancestor_mask  bool  [N+1, N+1]  row i = ancestors of i and i itself; invalid rows see only themselves
   first_child    int32 [N+1]   lowest-index (= rank-0-most) child, -1 if none    (left-child/right-sibling
   next_sibling   int32 [N+1]   next child of the same parent, -1 if none          form for EAGLE-style kernels)
-  max_depth      static int    L, the number of drafted depths (pytree metadata, not an array)
+  max_depth      static int    L, the number of drafted depths (pytree metadata, not an array; SpecRound drafts
+                               min(budget, block_size - 1): a budget-N tree is at most N deep)
 Valid nodes are always a contiguous prefix 0..n_valid-1. The acceptance walk (spec/accept.py) matches a
 choice against children by scanning `parents` (O(N) per step); first_child/next_sibling are for consumers
 that want the linked form.
@@ -72,7 +73,8 @@ class Tree:
     ancestor_mask: jax.Array  # bool [N+1, N+1]
     first_child: jax.Array  # int32 [N+1]
     next_sibling: jax.Array  # int32 [N+1]
-    max_depth: int  # static L (= block_size - 1): bounds the acceptance walk and the emitted-token width
+    max_depth: int  # static L, the drafted depths (block_size - 1, or the budget if smaller): bounds the
+    #                 acceptance walk and the emitted-token width
 
     def replace(self, **kw) -> "Tree":
         return dataclasses.replace(self, **kw)
