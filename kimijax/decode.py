@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("ar", "dflash", "ddtree"), default=None,
                    help="decoding method (default: ddtree when a drafter is available, else ar)")
     p.add_argument("--drafter", help="DFlash drafter directory (z-lab format)")
-    p.add_argument("--budget", type=int, default=16, help="DDTree node budget (1..128)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="DDTree node budget (1..128; default 8 for SmolLM2 + its drafter, the fastest at one request "
+                        "on the GPU runs in BENCHMARKS.md; 16 otherwise)")
     p.add_argument("--topk-cap", type=int, default=None, help="DDTree: at most this many children per depth")
     p.add_argument("--draft-window", type=int, default=None, help="drafter sees only the last W context tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -61,7 +64,7 @@ def _run(args) -> int:
     check_sampling_params(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not 1 <= args.budget <= 128:
+    if args.budget is not None and not 1 <= args.budget <= 128:
         raise ValueError(f"--budget must be in 1..128, got {args.budget}")
 
     defaults.enable_compile_cache(args.compile_cache)  # before the first compile
@@ -79,7 +82,11 @@ def _run(args) -> int:
         raise ValueError(f"--method {args.method} needs a drafter (--drafter PATH)")
     drafter = kimijax.load_drafter(drafter_path, target) if drafter_path else None
     method = args.method or ("ddtree" if drafter is not None else "ar")
-    engine = kimijax.Engine(target, drafter, method=method, budget=args.budget, topk_cap=args.topk_cap,
+    budget = args.budget
+    if budget is None:
+        committed = drafter_path is not None and Path(drafter_path).resolve() == defaults.SMOLLM2_DRAFTER.resolve()
+        budget = defaults.SMOLLM2_BUDGET if committed else defaults.DEFAULT_BUDGET
+    engine = kimijax.Engine(target, drafter, method=method, budget=budget, topk_cap=args.topk_cap,
                             draft_window=args.draft_window)
     tok = target.tokenizer
     if tok is None:
@@ -92,7 +99,8 @@ def _run(args) -> int:
     st = engine.last_stats
     dev = jax.devices()[0]
     info = {
-        "model": model, "method": method, "device": f"{dev.platform}:{dev.device_kind}",
+        "model": model, "method": method, "budget": budget if method == "ddtree" else None,
+        "device": f"{dev.platform}:{dev.device_kind}",
         "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
         "prompt_tokens": res.prompt_tokens, "new_tokens": len(res.tokens),
         "decode_tokens_per_s": round(st["decode_tokens_per_s"], 2),

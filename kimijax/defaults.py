@@ -76,6 +76,10 @@ def embedded_drafter_config():
 
 
 SMOLLM2_DRAFTER = Path(__file__).parent / "assets" / "smollm2-dflash"
+#: The CLI's DDTree budget for SmolLM2 + its drafter: at one request b8 was the fastest setting on every GPU run
+#: (H200 2026-12-04: 1.51x AR vs 1.30x at b16; H100 2026-12-07: 1.76x vs 1.55-1.64x; BENCHMARKS.md).
+SMOLLM2_BUDGET = 8
+DEFAULT_BUDGET = 16
 
 
 def smollm2_drafter_dir() -> Path:

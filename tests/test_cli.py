@@ -22,13 +22,14 @@ def test_real_default_smollm2(capsys):
     assert main(["--json", "--prompt", "What is 2+2?", "--max-new-tokens", "8"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["model"] == "smollm2" and out["random_weights"] is False and out["method"] == "ddtree"
+    assert out["budget"] == defaults.SMOLLM2_BUDGET  # the committed drafter's measured-fastest budget
     assert out["mean_acceptance_length"] >= 1.0 and out["device"].startswith("cpu") and out["text"].strip()
 
 
 def test_embedded_default_json(capsys, no_smollm2):
     assert main(["--json", "--chat", "--prompt", "Hello there", "--max-new-tokens", "6"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["random_weights"] is True and out["method"] == "ddtree"
+    assert out["random_weights"] is True and out["method"] == "ddtree" and out["budget"] == defaults.DEFAULT_BUDGET
     assert out["mean_acceptance_length"] >= 1.0
     assert out["new_tokens"] >= 1 and out["device"].startswith("cpu")
     assert isinstance(out["text"], str)
