@@ -1,0 +1,209 @@
+"""SwiGLU MLP of a few rows (a decode step or a small tree verify) as two Pallas kernels.
+
+y = (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T for x [M, D] with M <= 64 (SmolLM2: D = 576, F = 1536).
+
+Why a kernel (an experiment, not wired into the models yet): at one request a SmolLM2 round is launch-bound and
+its 17-token verify costs about two AR steps (2.2-2.5 ms against 1.1 ms on an H100, BENCHMARKS.md 2026-12-07).
+XLA runs this MLP as gate GEMM, up GEMM, silu*mul fusion and down GEMM; at 17 rows the f32 GEMMs are cuBLAS
+SIMT kernels with 32x32 tiles, ~48 CTAs for 132 SMs, 5-6 us each against 2-4 us for the one-row GEMVs. Here:
+
+  gate_up  grid (F / block_f,): program j reads x whole and rows j*block_f.. of w_gate and w_up, walks D in
+           block_k chunks, and writes h[:, j-block] = silu(g) * u. One kernel for two GEMMs and the fusion.
+  down     grid (D / block_d, splits): program (i, s) sums h[:, f] w_down[i-block, f] over its 1/splits share of
+           F; the splits' f32 partials are added by XLA in split order (deterministic; no atomics).
+
+Every output row depends on its own input row only, with a fixed order of additions, so one row gives the same
+bits whether it runs alone (an AR step) or among 17 (a verify) - unlike cuBLAS, whose kernel choice depends on M.
+Dots are IEEE f32 for f32 operands (precision HIGHEST, as the reference); "interpret" runs the same kernels on
+the CPU. Sizes that are not multiples of the blocks are masked on the GPU and zero-padded in interpret mode
+(the interpreter cannot slice past an array's end).
+
+Implementations: "xla" `swiglu_ref`; "pallas" the kernels (GPU); "interpret" the kernels with interpret=True.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.tree_attention import kernel_dot, next_pow2
+
+MAX_ROWS = 64  # more rows than this are not "a few": XLA's GEMMs are the better tool there
+_C11 = (((1,), (1,)), ((), ()))  # a @ b.T
+
+
+def swiglu_ref(x_MD, w_gate_FD, w_up_FD, w_down_DF, precision=lax.Precision.HIGHEST):
+    """XLA reference: [M, D] -> [M, D] f32 (the Llama MLP of kimijax.models.common.swiglu)."""
+    g = jnp.einsum("md,fd->mf", x_MD, w_gate_FD, precision=precision, preferred_element_type=jnp.float32)
+    u = jnp.einsum("md,fd->mf", x_MD, w_up_FD, precision=precision, preferred_element_type=jnp.float32)
+    return jnp.einsum("mf,df->md", jax.nn.silu(g) * u, w_down_DF.astype(jnp.float32), precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+def _load(ref, rows, cols, n_rows, n_cols, masked):
+    """A [len(rows), len(cols)] tile at pl.ds offsets; masked at the array's edges when sizes are ragged."""
+    if not masked:
+        return ref[rows, cols]
+    r = rows.start + lax.broadcasted_iota(jnp.int32, (rows.size,), 0)
+    c = cols.start + lax.broadcasted_iota(jnp.int32, (cols.size,), 0)
+    return pltriton.load(ref.at[rows, cols], mask=(r < n_rows)[:, None] & (c < n_cols)[None, :], other=0.0)
+
+
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, D, F, bf, bk, masked, f32_dots):
+    j = pl.program_id(0)
+    Mp = x_ref.shape[0]
+    fr = pl.ds(j * bf, bf)
+
+    def step(kk, acc):  # a traced chunk index: a static one past the end would fail the slice check
+        acc_g, acc_u = acc
+        kr = pl.ds(kk * bk, bk)
+        x = _load(x_ref, pl.ds(0, Mp), kr, Mp, D, masked)
+        return (acc_g + kernel_dot(x, _load(wg_ref, fr, kr, F, D, masked), _C11, f32_dots),
+                acc_u + kernel_dot(x, _load(wu_ref, fr, kr, F, D, masked), _C11, f32_dots))
+
+    zero = jnp.zeros((Mp, bf), jnp.float32)
+    acc_g, acc_u = lax.fori_loop(0, -(-D // bk), step, (zero, zero))
+    h = acc_g / (1.0 + jnp.exp(-acc_g)) * acc_u  # silu(g) * u
+    if masked:
+        c = j * bf + lax.broadcasted_iota(jnp.int32, (bf,), 0)
+        pltriton.store(h_ref.at[:, fr], h.astype(h_ref.dtype), mask=(c < F)[None, :])
+    else:
+        h_ref[:, fr] = h.astype(h_ref.dtype)
+
+
+def _down_kernel(h_ref, wd_ref, o_ref, *, D, F, bd, bk, fs, masked, f32_dots):
+    i, s = pl.program_id(0), pl.program_id(1)
+    Mp = h_ref.shape[0]
+    dr = pl.ds(i * bd, bd)
+
+    def step(kk, acc):  # this split's share of F in block_k chunks
+        kr = pl.ds(s * fs + kk * bk, bk)
+        return acc + kernel_dot(_load(h_ref, pl.ds(0, Mp), kr, Mp, F, masked), _load(wd_ref, dr, kr, D, F, masked),
+                                _C11, f32_dots)
+
+    acc = lax.fori_loop(0, fs // bk, step, jnp.zeros((Mp, bd), jnp.float32))
+    if masked:
+        c = i * bd + lax.broadcasted_iota(jnp.int32, (bd,), 0)
+        pltriton.store(o_ref.at[:, dr], acc, mask=(c < D)[None, :])
+    else:
+        o_ref[:, dr] = acc
+
+
+def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, block_d: int = 16, block_k: int = 64,
+                  splits: int = 4, num_warps: int = 4, interpret: bool = False):
+    """The two-kernel SwiGLU (module docstring); same contract as `swiglu_ref` for M <= MAX_ROWS rows."""
+    M, D = x_MD.shape
+    F = w_gate_FD.shape[0]
+    if w_gate_FD.shape != (F, D) or w_up_FD.shape != (F, D) or w_down_DF.shape != (D, F):
+        raise ValueError(f"MLP weights {w_gate_FD.shape}, {w_up_FD.shape}, {w_down_DF.shape} do not fit x {x_MD.shape}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"{M} rows: this kernel is for 1..{MAX_ROWS} rows (use the XLA path)")
+    for name, b in (("block_f", block_f), ("block_d", block_d), ("block_k", block_k)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot tiles)")
+    Mp = max(16, next_pow2(M))
+    n_f, n_d = -(-F // block_f), -(-D // block_d)
+    fs = -(-(-(-F // splits)) // block_k) * block_k  # each split's share of F, a multiple of block_k
+    S = -(-F // fs)
+    masked = bool(D % block_k or F % block_f or D % block_d or F % fs)
+    dt = x_MD.dtype
+    x = jnp.pad(x_MD, ((0, Mp - M), (0, 0)))
+    wg, wu, wd = w_gate_FD, w_up_FD, w_down_DF
+    if interpret and masked:  # the interpreter cannot slice past an array's end; the GPU masks instead
+        Dp = max(-(-D // block_k) * block_k, n_d * block_d)  # the furthest column any slice touches
+        Fp = max(n_f * block_f, S * fs)
+        x = jnp.pad(x, ((0, 0), (0, Dp - D)))
+        wg, wu = (jnp.pad(w, ((0, Fp - F), (0, Dp - D))) for w in (wg, wu))
+        wd = jnp.pad(wd, ((0, Dp - D), (0, Fp - F)))
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, D=D, F=F, bf=block_f, bk=block_k, masked=masked, f32_dots=interpret),
+        grid=(n_f,), in_specs=[full(x), full(wg), full(wu)],
+        out_specs=pl.BlockSpec((Mp, wg.shape[0]), lambda j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((Mp, wg.shape[0]), dt),
+        compiler_params=params, interpret=interpret, name="skinny_mlp_gate_up",
+    )(x, wg, wu)
+    part = pl.pallas_call(
+        functools.partial(_down_kernel, D=D, F=F, bd=block_d, bk=block_k, fs=fs, masked=masked, f32_dots=interpret),
+        grid=(n_d, S), in_specs=[full(h), full(wd)],
+        out_specs=pl.BlockSpec((None, Mp, wd.shape[0]), lambda i, s: (s, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((S, Mp, wd.shape[0]), jnp.float32),
+        compiler_params=params, interpret=interpret, name="skinny_mlp_down",
+    )(h, wd)
+    out = part[0]
+    for s in range(1, S):  # split order, so the sum is the same every call
+        out = out + part[s]
+    return out[:M, :D]
+
+
+def swiglu(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, impl: str = "xla", **kw):
+    """Dispatch: impl "xla" (reference), "pallas" (GPU kernels) or "interpret"."""
+    if impl == "xla":
+        return swiglu_ref(x_MD, w_gate_FD, w_up_FD, w_down_DF)
+    if impl in ("pallas", "interpret"):
+        return swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, interpret=impl == "interpret", **kw)
+    raise ValueError(f"unknown skinny MLP impl {impl!r}")
+
+
+def _main():  # pragma: no cover - timing on the GPU
+    """Kernel variants vs the XLA reference at SmolLM2's MLP (D=576, F=1536, f32) for M = 1..32 rows. Time per
+    call = a chain of 30 dependent calls in one jit (x + 1e-3 * mlp(x) feeds the next), like 30 layers of a
+    round; the HBM read roof is measured in the same run and each time is compared with its weight floor."""
+    import sys
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_slice import measure_roof
+
+    on_gpu = jax.default_backend() == "gpu"
+    D, F, n = 576, 1536, 30
+    roof = measure_roof() if on_gpu else float("nan")
+    floor_us = 3 * D * F * 4 / roof * 1e6
+    print(f"backend {jax.default_backend()}; D={D} F={F} f32; HBM read roof {roof / 1e12:.2f} TB/s, "
+          f"weights 10.6 MB -> floor {floor_us:.2f} us per call; us per call (chain of {n})")
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    w = [jax.random.normal(ks[i], s, jnp.float32) * 0.04 for i, s in enumerate([(F, D), (F, D), (D, F)])]
+
+    def per_call_us(f, x):
+        g = jax.jit(lambda x, *w: functools.reduce(lambda x, _: x + 1e-3 * f(x, *w), range(n), x))
+        jax.block_until_ready(g(x, *w))
+        ts = []
+        for _ in range(30):
+            t = time.perf_counter()
+            jax.block_until_ready(g(x, *w))
+            ts.append(time.perf_counter() - t)
+        return float(np.median(ts)) / n * 1e6
+
+    variants = {"default": {}, "bf32": dict(block_f=32), "bd32": dict(block_d=32), "splits2": dict(splits=2),
+                "splits8": dict(splits=8), "bk32": dict(block_k=32), "warps2": dict(num_warps=2)}
+    for M in (1, 5, 9, 17, 32):
+        x = jax.random.normal(ks[3], (M, D), jnp.float32)
+        r = jax.jit(swiglu_ref)(x, *w)
+        t_ref = per_call_us(swiglu_ref, x) if on_gpu else float("nan")
+        line = [f"M={M:2d}: XLA {t_ref:6.1f} ({t_ref / floor_us:.1f}x floor)"]
+        for name, kw in variants.items():
+            f = functools.partial(swiglu_pallas, interpret=not on_gpu, **kw)
+            out = jax.jit(f)(x, *w)
+            err = float(jnp.max(jnp.abs(out - r)) / jnp.max(jnp.abs(r)))
+            t = per_call_us(f, x) if on_gpu else float("nan")
+            line.append(f"{name} {t:6.1f} (err {err:.0e})")
+        print(" | ".join(line), flush=True)
+    # Row independence (module docstring): a verify row vs the same row alone (an AR step), bit for bit
+    x = jax.random.normal(ks[3], (17, D), jnp.float32)
+    for name, f in (("XLA", swiglu_ref), ("kernel", functools.partial(swiglu_pallas, interpret=not on_gpu))):
+        many = np.asarray(jax.jit(f)(x, *w))
+        same = sum(bool(np.array_equal(np.asarray(jax.jit(f)(x[i:i + 1], *w))[0], many[i])) for i in range(17))
+        print(f"{name}: {same}/17 rows bitwise equal alone and among 17")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()
