@@ -355,6 +355,32 @@ def test_draft_head_matches_head(tiny):
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
 
 
+def test_tiny_mlp_kernel_matches_xla_path(tiny):
+    # mlp_impl="interpret": passes of <= 64 rows (an AR step, a small verify) run the skinny MLP kernels and
+    # give the XLA path's logits; the 2 x 40-token prefill (80 rows) stays on XLA
+    kern = LlamaTarget(tiny.cfg, tiny.params, mlp_impl="interpret")
+    rng = np.random.default_rng(5)
+    B, T0, L, N = 2, 40, 64, 5
+    toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, T0)), jnp.int32)
+    lens = jnp.asarray([40, 23], jnp.int32)
+    anc = jnp.asarray(np.stack([np.tril(rng.random((N, N)) < 0.5) | np.eye(N, dtype=bool) for _ in range(B)]))
+    tree_toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, N)), jnp.int32)
+    pos = lens[:, None] + jnp.sum(anc, -1) - 1
+    outs = []
+    for tgt in (tiny, kern):
+        p, caches, _ = jax.jit(tgt.prefill)(tgt.params, tgt.init_cache(B, L), toks, lens)
+        v, caches, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks, pos, lens, anc)
+        s, _, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks[:, :1], (lens + N)[:, None], lens + N,
+                                      causal_tree_mask(B, 1))
+        outs.append((np.asarray(p), np.asarray(v), np.asarray(s)))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])  # the prefill did not take the kernel
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    from kimijax.config import ConfigError
+    with pytest.raises(ConfigError, match="mlp_impl"):
+        LlamaTarget(tiny.cfg, tiny.params, mlp_impl="cuda")
+
+
 def test_tiny_attention_kernel_matches_xla_path(tiny):
     # the decode/verify attention through the Pallas kernel (interpret) gives the XLA path's logits: a tree
     # verify over a prefilled cache, then an AR step

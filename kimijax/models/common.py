@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimijax.config import YarnScaling, yarn_mscale
+from pallas_kernels import skinny_mlp
 
 
 def param(mod: nn.Module, name: str, shape, axes, dtype, init: str = "fan_in", fan_in: int | None = None):
@@ -100,12 +101,17 @@ class MLP(nn.Module):
     hidden: int
     dtype: jnp.dtype
     precision: Any = None  # dot precision (the f32 Llama target asks for HIGHEST); None = backend default
+    impl: str = "xla"  # "pallas" / "interpret": pallas_kernels/skinny_mlp.py for f32 passes of <= 64 rows
 
     @nn.compact
     def __call__(self, x_BTD):
         g = param(self, "gate_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
         u = param(self, "up_proj", (self.hidden, self.dim), ("mlp", "embed"), self.dtype)
         d = param(self, "down_proj", (self.dim, self.hidden), ("embed", "mlp"), self.dtype)
+        B, T, D = x_BTD.shape
+        if self.impl != "xla" and x_BTD.dtype == jnp.float32 and B * T <= skinny_mlp.MAX_ROWS:
+            y = skinny_mlp.swiglu(x_BTD.reshape(B * T, D), g, u, d, impl=self.impl)
+            return y.reshape(B, T, D).astype(x_BTD.dtype)
         return swiglu(x_BTD, g, u, d, self.precision)
 
 

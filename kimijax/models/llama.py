@@ -175,6 +175,7 @@ class LlamaLayer(nn.Module):
     cfg: LlamaConfig
     dtype: Any
     attn_impl: str = "xla"
+    mlp_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, from_cache):
@@ -185,7 +186,8 @@ class LlamaLayer(nn.Module):
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
         with jax.named_scope("mlp"):
-            f = MLP(c.hidden_size, c.intermediate_size, self.dtype, matmul_precision(self.dtype), name="mlp")(h)
+            f = MLP(c.hidden_size, c.intermediate_size, self.dtype, matmul_precision(self.dtype), self.mlp_impl,
+                    name="mlp")(h)
         return x_BTD + f, cache
 
 
@@ -194,6 +196,7 @@ class Llama(nn.Module):
     post_attention_layernorm, mlp/{gate,up,down}_proj}, norm, and lm_head [V, D] when untied."""
     cfg: LlamaConfig
     attn_impl: str = "xla"
+    mlp_impl: str = "xla"
 
     @property
     def dtype(self):
@@ -203,7 +206,7 @@ class Llama(nn.Module):
         c = self.cfg
         self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                                   self.dtype, init="normal")
-        self.layers = [LlamaLayer(c, self.dtype, self.attn_impl, name=f"layers_{i}")
+        self.layers = [LlamaLayer(c, self.dtype, self.attn_impl, self.mlp_impl, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
         if not c.tie_word_embeddings:
@@ -253,6 +256,9 @@ class LlamaTarget:
     random_weights: bool = False
     source: str = ""
     attn_impl: str | None = None  # None: the kernel on GPU, the XLA reference elsewhere (KIMIJAX_KERNELS overrides)
+    # "xla", or the experimental skinny MLP kernels ("pallas" / "interpret") for f32 passes of <= 64 rows (decode
+    # steps, small verifies); XLA until a GPU run shows they pay (pallas_kernels/skinny_mlp.py)
+    mlp_impl: str = "xla"
 
     def __post_init__(self):
         if self.attn_impl is None:
@@ -265,7 +271,9 @@ class LlamaTarget:
         if self.attn_impl == "pallas" and not kernel_supports(self.cfg.head_dim):
             raise ConfigError(f"the GQA attention kernel needs a power-of-two head_dim >= 16, this model has "
                               f"{self.cfg.head_dim}: use attn_impl='xla'")
-        self.module = Llama(self.cfg, self.attn_impl)
+        if self.mlp_impl not in ("xla", "pallas", "interpret"):
+            raise ConfigError(f"mlp_impl {self.mlp_impl!r} must be xla, pallas or interpret")
+        self.module = Llama(self.cfg, self.attn_impl, self.mlp_impl)
         self._forward = jax.jit(self._forward_fn)
 
     # ---- facts the engine needs
@@ -376,10 +384,10 @@ def random_llama_params(cfg: LlamaConfig, seed: int = 0):
 
 
 def random_llama_target(cfg: LlamaConfig = TINY_LLAMA, seed: int = 0, tokenizer=None,
-                        attn_impl: str | None = None) -> LlamaTarget:
+                        attn_impl: str | None = None, mlp_impl: str = "xla") -> LlamaTarget:
     """A LlamaTarget with random weights (tests with tiny configs, benchmarks at real shapes)."""
     return LlamaTarget(cfg, random_llama_params(cfg, seed), tokenizer=tokenizer, name="llama-random",
-                       random_weights=True, source="random", attn_impl=attn_impl)
+                       random_weights=True, source="random", attn_impl=attn_impl, mlp_impl=mlp_impl)
 
 
 __all__ = ["LlamaConfig", "Llama", "LlamaTarget", "SMOLLM2_135M", "TINY_LLAMA", "gqa_attention", "write_kv",
