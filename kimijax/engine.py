@@ -49,6 +49,9 @@ jax.tree_util.register_pytree_node(
     lambda keys, vals: DecodeState(zip(keys, vals)))
 
 
+_SHARED_KEYS = ("round", "stop_ids")  # DecodeState entries shared by all rows (every other one is per row)
+
+
 def _bucket(n: int, minimum: int = 8) -> int:
     b = minimum
     while b < n:
@@ -298,7 +301,7 @@ class Engine:
         new = _request_state(caches_K, lens_K, first_K, keys_K, temp_K, topk_K, topp_K, rows, extra)
         out = DecodeState(state)
         for k in state:
-            if k not in ("round", "stop_ids"):  # shared by all rows
+            if k not in _SHARED_KEYS:
                 out[k] = jax.tree_util.tree_map(
                     lambda big, small: big.at[rows_K].set(small.astype(big.dtype), mode="drop"), state[k], new[k])
         return out
@@ -541,7 +544,7 @@ def _output_rows(first_B, stop_ids_S, max_new_B, M: int, R: int):
 
 def _take_rows(state, idx):
     """Rows idx of every per-request leaf (the round counter and stop ids are shared)."""
-    return DecodeState({k: v if k in ("round", "stop_ids") else jax.tree_util.tree_map(lambda x: x[idx], v)
+    return DecodeState({k: v if k in _SHARED_KEYS else jax.tree_util.tree_map(lambda x: x[idx], v)
                         for k, v in state.items()})
 
 

@@ -7,7 +7,8 @@ device, so this runs on a CPU. The estimate prices each batch round with a round
 bench_e2e JSON measured on a GPU (--costs), for three schedules:
   static     every round at C rows (what Engine.generate does without max_batch)
   shrinking  the live rows move to a batch of the next smaller power of two once they fit (a host return of
-             --return-ms each); a program per batch size, so up to log2(C) more compiles
+             --return-ms per halving); a program per batch size, so up to log2(C) more compiles. The Engine does
+             this since 2026-12-07 (`generate(..., shrink=True)`), moving several halvings at once in one return
   refill     finished rows take the next request at no cost (the bound continuous batching approaches)
 It is an estimate (label it so), not a measurement: round time vs C is interpolated linearly between measured C.
 
@@ -28,9 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def round_costs(bench: dict, method: str, temperature: float = 0.0) -> dict[int, float]:
     """ms per batch round by concurrency for one method, from a bench_e2e JSON (static rows only)."""
-    out = {r["concurrency"]: r["ms_per_round"] for r in bench["rows"]
-           if r["method"] == method and r["temperature"] == temperature and not r.get("continuous")}
-    return out  # empty: no such row (that method is counted, not priced)
+    return {r["concurrency"]: r["ms_per_round"] for r in bench["rows"]  # empty: counted, not priced
+            if r["method"] == method and r["temperature"] == temperature and not r.get("continuous")}
 
 
 def schedule_ms(rounds_per_batch: list[list[int]], cost, C: int, return_ms: float) -> dict:

@@ -20,6 +20,7 @@ kernels are the same.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -85,10 +86,8 @@ def load_models(args):
         from kimijax.gguf_loading import load_llama_gguf
         target = load_llama_gguf(None if args.gguf == "default" else args.gguf, dtype=args.dtype, progress=True)
     else:
-        import dataclasses
         target = random_llama_target(dataclasses.replace(SMOLLM2_135M, dtype=args.dtype), seed=args.seed)
     if args.mlp_impl != "xla":  # A/B: the skinny MLP kernels for passes of <= 64 rows
-        import dataclasses
         target = dataclasses.replace(target, mlp_impl=args.mlp_impl)
     if args.random_drafter:  # the drafter's config with random weights: same kernels, no weight files needed
         from kimijax.models.drafter import DrafterConfig, random_drafter
@@ -219,7 +218,8 @@ def main(argv=None) -> int:
     target, drafter = load_models(args)
     res = dict(script="scripts/profile_round.py", argv=sys.argv[1:] if argv is None else argv,
                date=time.strftime("%Y-%m-%d"), device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__,
-               xla_flags=os.environ.get("XLA_FLAGS", ""), gqa_kwargs=args.gqa_kwargs, f32_dots=args.f32_dots, mlp_impl=args.mlp_impl, target=target.name, dtype=args.dtype, rows=[])
+               xla_flags=os.environ.get("XLA_FLAGS", ""), gqa_kwargs=args.gqa_kwargs, f32_dots=args.f32_dots,
+               mlp_impl=args.mlp_impl, target=target.name, dtype=args.dtype, rows=[])
     res["attn_impl"] = target.attn_impl
     res["weights_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(target.params))
     if dev.platform == "gpu":  # the HBM read roof in this run: an AR step must read the weights at least once

@@ -413,8 +413,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.smoke:  # smoke values unless given on the command line (also when given equal to the default)
+        given = given_options(parser, sys.argv[1:] if argv is None else argv)
         for k, v in SMOKE.items():
-            if k not in given_options(parser, sys.argv[1:] if argv is None else argv):
+            if k not in given:
                 setattr(args, k, v)
     t_start = time.time()
     if args.phase != "all" and not args.data_cache:

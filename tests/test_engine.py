@@ -113,21 +113,23 @@ def test_engines_share_programs_and_do_not_keep_targets_alive():
     assert ref() is None
 
 
+def _tiny_drafter(target):
+    from kimijax.models.drafter import DrafterConfig, random_drafter
+
+    c = target.cfg
+    dcfg = DrafterConfig(hidden_size=c.hidden_size, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=64, block_size=4,
+                         mask_token_id=c.vocab_size - 2, target_layer_ids=(0, 2),
+                         num_target_layers=c.num_hidden_layers, vocab_size=c.vocab_size)
+    return random_drafter(dcfg, target, seed=3)
+
+
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
 def test_continuous_batching_equals_one_by_one(tiny_f32, method):
     """max_batch < len(prompts): rows are refilled as requests finish. Every request's tokens (greedy and
     sampled: each request keeps its own RNG stream) equal what it gets alone, results keep prompt order, and
     requests of different lengths (per-prompt stop ids are not a thing; different max_new is) all finish."""
-    from kimijax.models.drafter import DrafterConfig, random_drafter
-
-    drafter = None
-    if method != "ar":
-        c = tiny_f32.cfg
-        dcfg = DrafterConfig(hidden_size=c.hidden_size, num_hidden_layers=1, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, intermediate_size=64, block_size=4,
-                             mask_token_id=c.vocab_size - 2, target_layer_ids=(0, 2),
-                             num_target_layers=c.num_hidden_layers, vocab_size=c.vocab_size)
-        drafter = random_drafter(dcfg, tiny_f32, seed=3)
+    drafter = _tiny_drafter(tiny_f32) if method != "ar" else None
     eng = Engine(tiny_f32, drafter, method=method, budget=4, chunk_rounds=4)
     prompts = _prompts(tiny_f32.vocab_size, [3, 7, 2, 5, 4], seed=11)
     # stop ids from two greedy answers, so requests end at different rounds and rows get refilled mid-run
@@ -189,17 +191,6 @@ def test_refill_min_gathers_freed_rows_and_tail_runs_through(tiny_f32):
     for bad in (0, 1.5, True):
         with pytest.raises(EngineError, match="refill_min"):
             eng.generate(prompts, max_batch=4, refill_min=bad)
-
-
-def _tiny_drafter(target):
-    from kimijax.models.drafter import DrafterConfig, random_drafter
-
-    c = target.cfg
-    dcfg = DrafterConfig(hidden_size=c.hidden_size, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, intermediate_size=64, block_size=4,
-                         mask_token_id=c.vocab_size - 2, target_layer_ids=(0, 2),
-                         num_target_layers=c.num_hidden_layers, vocab_size=c.vocab_size)
-    return random_drafter(dcfg, target, seed=3)
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])

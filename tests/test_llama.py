@@ -355,24 +355,31 @@ def test_draft_head_matches_head(tiny):
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
 
 
-def test_tiny_mlp_kernel_matches_xla_path(tiny):
-    # mlp_impl="interpret": passes of <= 64 rows (an AR step, a small verify) run the skinny MLP kernels and
-    # give the XLA path's logits; the 2 x 40-token prefill (80 rows) stays on XLA
-    kern = LlamaTarget(tiny.cfg, tiny.params, mlp_impl="interpret")
-    rng = np.random.default_rng(5)
-    B, T0, L, N = 2, 40, 64, 5
-    toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, T0)), jnp.int32)
-    lens = jnp.asarray([40, 23], jnp.int32)
+def _prefill_verify_step(targets, vocab, seed, lens, T0, L, N=5):
+    """Per target: (prefill logits, a tree verify over the prefilled cache, then an AR step), same random
+    inputs for every target (B = len(lens) requests, T0 prompt slots, cache L)."""
+    rng = np.random.default_rng(seed)
+    B = len(lens)
+    toks = jnp.asarray(rng.integers(0, vocab, (B, T0)), jnp.int32)
+    lens = jnp.asarray(lens, jnp.int32)
     anc = jnp.asarray(np.stack([np.tril(rng.random((N, N)) < 0.5) | np.eye(N, dtype=bool) for _ in range(B)]))
-    tree_toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, N)), jnp.int32)
+    tree_toks = jnp.asarray(rng.integers(0, vocab, (B, N)), jnp.int32)
     pos = lens[:, None] + jnp.sum(anc, -1) - 1
     outs = []
-    for tgt in (tiny, kern):
+    for tgt in targets:
         p, caches, _ = jax.jit(tgt.prefill)(tgt.params, tgt.init_cache(B, L), toks, lens)
         v, caches, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks, pos, lens, anc)
         s, _, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks[:, :1], (lens + N)[:, None], lens + N,
                                       causal_tree_mask(B, 1))
         outs.append((np.asarray(p), np.asarray(v), np.asarray(s)))
+    return outs
+
+
+def test_tiny_mlp_kernel_matches_xla_path(tiny):
+    # mlp_impl="interpret": passes of <= 64 rows (an AR step, a small verify) run the skinny MLP kernels and
+    # give the XLA path's logits; the 2 x 40-token prefill (80 rows) stays on XLA
+    kern = LlamaTarget(tiny.cfg, tiny.params, mlp_impl="interpret")
+    outs = _prefill_verify_step((tiny, kern), tiny.vocab_size, 5, [40, 23], T0=40, L=64)
     np.testing.assert_array_equal(outs[0][0], outs[1][0])  # the prefill did not take the kernel
     for a, b in zip(outs[0][1:], outs[1][1:]):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
@@ -386,21 +393,8 @@ def test_tiny_attention_kernel_matches_xla_path(tiny):
     # verify over a prefilled cache, then an AR step
     kern = LlamaTarget(tiny.cfg, tiny.params, attn_impl="interpret")
     assert tiny.attn_impl == "xla" and kern.attn_impl == "interpret"
-    rng = np.random.default_rng(4)
-    B, T0, L, N = 2, 7, 40, 5
-    toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, T0)), jnp.int32)
-    lens = jnp.asarray([7, 4], jnp.int32)
-    anc = jnp.asarray(np.stack([np.tril(rng.random((N, N)) < 0.5) | np.eye(N, dtype=bool) for _ in range(B)]))
-    tree_toks = jnp.asarray(rng.integers(0, tiny.vocab_size, (B, N)), jnp.int32)
-    pos = lens[:, None] + jnp.sum(anc, -1) - 1
-    outs = []
-    for tgt in (tiny, kern):
-        _, caches, _ = jax.jit(tgt.prefill)(tgt.params, tgt.init_cache(B, L), toks, lens)
-        v, caches, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks, pos, lens, anc)
-        s, _, _ = jax.jit(tgt.verify)(tgt.params, caches, tree_toks[:, :1], (lens + N)[:, None], lens + N,
-                                      causal_tree_mask(B, 1))
-        outs.append((np.asarray(v), np.asarray(s)))
-    for a, b in zip(*outs):
+    outs = _prefill_verify_step((tiny, kern), tiny.vocab_size, 4, [7, 4], T0=7, L=40)
+    for a, b in zip(outs[0][1:], outs[1][1:]):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
 
 
