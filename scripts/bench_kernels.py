@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import moe_int4 as mi  # noqa: E402
+from pallas_kernels import moe_int4_mgpu as mg  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
 from timing import time_jit_sets  # noqa: E402
 
@@ -180,7 +181,15 @@ MOE_CONFIGS = {  # left-out options = the kernel's defaults (blocks 64 / 128, 1 
 MOE_AB_CONFIGS = dict(MOE_CONFIGS,
                       stages5=dict(num_stages=5),  # deeper pipelines: more bytes in flight when few programs run
                       stages6=dict(num_stages=6),
-                      blocks32_s5=dict(block_f=32, block_d=64, num_stages=5))
+                      blocks32_s5=dict(block_f=32, block_d=64, num_stages=5),
+                      # Mosaic GPU kernels (pallas_kernels/moe_int4_mgpu.py, T <= 16): TMA pipeline + wgmma
+                      mgpu=dict(backend="mgpu"),  # 8 groups of 32 inputs per step, 3 steps in flight
+                      mgpu_nowait=dict(backend="mgpu", wait_each_group=False),
+                      mgpu_g4s4=dict(backend="mgpu", groups_per_step=4, stages=4),
+                      mgpu_g16s2=dict(backend="mgpu", groups_per_step=16, stages=2),
+                      mgpu_g8s5=dict(backend="mgpu", stages=5),
+                      mgpu_d2=dict(backend="mgpu", down_tiles=2))
+MGPU_LAYOUT = {}  # the experts in the Mosaic GPU layout, made on first use by an "mgpu" configuration
 # Measured out earlier (BENCHMARKS.md, 2026-12-03 runs 1-3; since removed from the kernel): transposed bf16
 # scales (unpipelined 16-bit loads), scales applied to each plane's f32 dot, untiled words, 128-row blocks.
 
@@ -193,7 +202,14 @@ def moe_case(name, T, experts, bytes_per_expert, roof, cfg, *, ref_experts=None,
     rec["distinct_experts"] = float(np.mean(distinct))
     rec["bytes"] = rec["distinct_experts"] * bytes_per_expert
     rec["floor_us"] = rec["bytes"] / roof * 1e6
-    kern = functools.partial(mi.moe_pallas, interpret=INTERPRET, **cfg)
+    if cfg.get("backend") == "mgpu":
+        if "ex" not in MGPU_LAYOUT:
+            MGPU_LAYOUT["ex"] = jax.block_until_ready(jax.jit(mg.to_mgpu_layout)(ref_experts))
+        experts = MGPU_LAYOUT["ex"]
+        mcfg = mg.Config(**{k: v for k, v in cfg.items() if k != "backend"})
+        kern = functools.partial(mg.moe_mgpu, cfg=mcfg, interpret=INTERPRET)
+    else:
+        kern = functools.partial(mi.moe_pallas, interpret=INTERPRET, **cfg)
     if check:
         x, ids, w = sets[0]
         y = jax.jit(kern)(x, ids, w, experts)

@@ -1,0 +1,270 @@
+"""Routed-expert MoE over INT4 experts as Mosaic GPU kernels (Hopper): the decode path, T <= 16 tokens.
+
+Why a second backend: the Triton-lowered kernels (pallas_kernels/moe_int4.py) stream INT4 experts at 52 % of
+the HBM read roof at T = 1 and 65-68 % from T = 9 (BENCHMARKS.md, "Kernels"), and what is left there is the
+per-iteration unpack + MMA wait inside each program, which Triton schedules for us.  Mosaic GPU gives the
+pieces by hand: TMA copies of contiguous weight blocks into shared memory, several steps in flight
+(`plgpu.emit_pipeline`), the int4 -> bf16 upcast of a [64, 32] tile in registers (Mosaic's fast path), the
+scale applied as a row broadcast, and `wgmma` with the weights as the register A operand ("swap AB": the
+expert's rows are M = 64, the tokens are N = 16).
+
+Layout (made once at load time by `to_mgpu_layout`; same bytes as the checkpoint's INT4 + bf16 scales):
+  gu_q  int4 [E, F/64, D/32, 128, 32]: block (e, f, g) holds rows f*64 .. f*64+63 of gate (rows 0..63) and
+        of up (rows 64..127), inputs g*32 .. g*32+31, signed q (the checkpoint stores q + 8);
+  gu_s  bf16 [E, F/64, D/32, 128]: their group-32 scales;
+  dn_q  int4 [E, D/64, F/32, 64, 32], dn_s bf16 [E, D/64, F/32, 64]: the same for down (rows of D, inputs F).
+A pipeline step of GS groups reads one contiguous GS * 128 * 16-byte piece of weights per program.
+
+Kernels (dense routing: every token is a column of every used expert's product; at T <= 16 the padding
+columns cost MMA slots, not bytes):
+  1. gate/up: grid (P = T*K pairs, F/64).  Program (u, f) exits unless pair u is the first pair routed to
+     its expert (the XLA glue marks duplicates -1), else streams the expert's gate and up rows of block f
+     once and writes h[u, f*64 .. +63, :] = silu(gate x) * up x in bf16 for all 16 token columns.
+  2. down: grid (P, D/64): y_u[d rows, :] = down_e h[u] in f32 per active pair; XLA sums the pairs with the
+     routing weights (zero for tokens not routed to the pair's expert, and for duplicate pairs).
+Each used expert's weights are read from HBM once per call.  Dequantisation is bf16(q * s), the reference's
+rounding; products accumulate in f32.
+
+Interpret mode (CPU tests): Mosaic GPU's interpreter only takes wgmma operands from shared memory, so
+there the dequantised tile goes through a shared-memory scratch; on the GPU it stays in registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.moe_layout import _nibbles
+
+NB = 16  # token columns (wgmma N; bf16 B tiles need >= 16 columns)
+BM = 64  # weight rows per wgmma (M)
+GROUP = 32  # inputs per INT4 scale group
+MAX_TOKENS = NB
+MGPU_KEYS = ("gu_q", "gu_s", "dn_q", "dn_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    groups_per_step: int = 8  # scale groups (32 inputs each) per pipeline step
+    stages: int = 3  # pipeline steps in flight (TMA)
+    wait_each_group: bool = True  # wgmma_wait(0) after every group (False: keep one group's MMAs in flight)
+    down_tiles: int = 1  # 64-row tiles of D per down program (more bytes per step, fewer programs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout
+# ----------------------------------------------------------------------------------------------
+
+
+def _signed(packed):
+    """checkpoint words int32 [..., out, in/8] (nibble = q + 8) -> int8 q [..., out, in]."""
+    return (_nibbles(packed).astype(jnp.int8) - 8)
+
+
+def _blocks(q_OI, s_OG):
+    """[out, in] q and [out, in/32] scales -> [out/64, in/32, 64, 32] and [out/64, in/32, 64]."""
+    O, I = q_OI.shape
+    q = jnp.transpose(q_OI.reshape(O // BM, BM, I // GROUP, GROUP), (0, 2, 1, 3))
+    s = jnp.transpose(s_OG.reshape(O // BM, BM, I // GROUP), (0, 2, 1))
+    return q, s
+
+
+def _one_expert(gp, gs, up, us, dp, ds):
+    gq, gsb = _blocks(_signed(gp), gs)
+    uq, usb = _blocks(_signed(up), us)
+    dq, dsb = _blocks(_signed(dp), ds)
+    return (jnp.concatenate([gq, uq], axis=2).astype(jnp.int4), jnp.concatenate([gsb, usb], axis=2),
+            dq.astype(jnp.int4), dsb)
+
+
+def to_mgpu_layout(experts: dict) -> dict:
+    """Checkpoint INT4 expert dict (gate/up/down _packed + _scale; kimijax/quant.py) -> the layout above,
+    one expert at a time (lax.map: the temporaries are one expert's nibbles)."""
+    ins = tuple(experts[k] for k in ("gate_packed", "gate_scale", "up_packed", "up_scale",
+                                      "down_packed", "down_scale"))
+    gu_q, gu_s, dn_q, dn_s = lax.map(lambda a: _one_expert(*a), ins)
+    return {"gu_q": gu_q, "gu_s": gu_s.astype(jnp.bfloat16), "dn_q": dn_q, "dn_s": dn_s.astype(jnp.bfloat16)}
+
+
+def supports(x_TD, experts: dict) -> bool:
+    """Shapes this path runs: T <= 16 tokens, D (matching the experts') and F multiples of 64."""
+    T, D = x_TD.shape
+    if "gu_q" in experts:
+        F, De = experts["gu_q"].shape[1] * BM, experts["gu_q"].shape[2] * GROUP
+    elif "gate_packed" in experts:
+        F, De = experts["gate_packed"].shape[1], experts["gate_packed"].shape[2] * 8
+    else:
+        return False
+    return T <= MAX_TOKENS and D == De and D % BM == 0 and F % BM == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def _fit(n: int, want: int) -> int:
+    g = max(1, min(want, n))
+    while n % g:
+        g -= 1
+    return g
+
+
+def _mma_groups(tiles, b_smem, n_groups, a_scr, wait_each_group):
+    """For each of the step's groups and each tile (acc, weights [GS, rows, 32], scales [GS, rows], first
+    row): dequantise the tile's [64, 32] int4 block of that group to bf16(q * s) and accumulate it times the
+    group's [32, NB] activations."""
+    for g in range(n_groups):
+        for j, (acc, w_smem, s_smem, lo) in enumerate(tiles):
+            sc = s_smem[g]
+            a = w_smem[g, lo:lo + BM].astype(jnp.bfloat16) * sc[lo:lo + BM, None]
+            if a_scr is not None:  # interpret mode: wgmma operands from shared memory only
+                a_scr[j] = a
+                a = a_scr.at[j]
+            plgpu.wgmma(acc, a, b_smem.at[g])
+        if wait_each_group or a_scr is not None:
+            plgpu.wgmma_wait(0)
+        else:  # the registers of this group's tiles stay live until the next group's wait
+            plgpu.wgmma_wait(len(tiles))
+    if not wait_each_group and a_scr is None:
+        plgpu.wgmma_wait(0)
+
+
+def _params():
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _with_scratch(interpret, n, fn):
+    """fn(a_scr) with a [n, 64, 32] bf16 shared-memory scratch in interpret mode, fn(None) on the GPU."""
+    if not interpret:
+        return fn(None)
+    return pl.run_scoped(fn, plgpu.SMEM((n, BM, GROUP), jnp.bfloat16))
+
+
+def _gate_up(slot_e, xg, gu_q, gu_s, *, cfg: Config, interpret):
+    P = slot_e.shape[0]
+    _, NF, G, _, _ = gu_q.shape
+    GS = _fit(G, cfg.groups_per_step)
+
+    def body(e_ref, x_ref, q_ref, s_ref, h_ref):
+        u, f = lax.axis_index("u"), lax.axis_index("f")
+        e = e_ref[u]
+
+        @pl.when(e >= 0)
+        def _():
+            def run(a_scr):
+                def accs_scope(acc_g, acc_u):
+                    def step(_, x_smem, q_smem, s_smem):
+                        _mma_groups(((acc_g, q_smem, s_smem, 0), (acc_u, q_smem, s_smem, BM)), x_smem, GS, a_scr,
+                                    cfg.wait_each_group)
+
+                    plgpu.emit_pipeline(step, grid=(G // GS,), in_specs=[
+                        plgpu.BlockSpec((GS, GROUP, NB), lambda s: (s, 0, 0)),
+                        plgpu.BlockSpec((GS, 2 * BM, GROUP), lambda s: (s, 0, 0)),
+                        plgpu.BlockSpec((GS, 2 * BM), lambda s: (s, 0)),
+                    ], max_concurrent_steps=cfg.stages)(x_ref, q_ref.at[e, f], s_ref.at[e, f])
+                    return acc_g[...], acc_u[...]
+
+                return pl.run_scoped(accs_scope, plgpu.ACC((BM, NB)), plgpu.ACC((BM, NB)))
+
+            ag, au = _with_scratch(interpret, 2, run)
+            h = ag / (1.0 + jnp.exp(-ag)) * au
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BM, NB), jnp.bfloat16))
+            def _(o_smem):
+                o_smem[...] = h.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, h_ref.at[u, pl.ds(f * BM, BM)])
+                plgpu.wait_smem_to_gmem(0)
+
+    kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((P, NF * BM, NB), jnp.bfloat16), grid=(P, NF),
+                        grid_names=("u", "f"), compiler_params=_params(), interpret=_interp(interpret))
+    return kern(slot_e, xg, gu_q, gu_s)
+
+
+def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret):
+    P = slot_e.shape[0]
+    _, ND, Gf, _, _ = dn_q.shape
+    GS = _fit(Gf, cfg.groups_per_step)
+    DT = cfg.down_tiles if ND % cfg.down_tiles == 0 else 1
+    hg = h.reshape(P, Gf, GROUP, NB)
+
+    def body(e_ref, h_ref, q_ref, s_ref, y_ref):
+        u, d = lax.axis_index("u"), lax.axis_index("d")
+        e = e_ref[u]
+
+        @pl.when(e >= 0)
+        def _():
+            def run(a_scr):
+                def acc_scope(*accs):
+                    def step(_, h_smem, *ws):
+                        tiles = [(accs[i], ws[2 * i], ws[2 * i + 1], 0) for i in range(DT)]
+                        _mma_groups(tiles, h_smem, GS, a_scr, cfg.wait_each_group)
+
+                    w_specs = [plgpu.BlockSpec((GS, BM, GROUP), lambda s: (s, 0, 0)),
+                               plgpu.BlockSpec((GS, BM), lambda s: (s, 0))] * DT
+                    w_refs = [r for i in range(DT) for r in (q_ref.at[e, d * DT + i], s_ref.at[e, d * DT + i])]
+                    plgpu.emit_pipeline(step, grid=(Gf // GS,), in_specs=[
+                        plgpu.BlockSpec((GS, GROUP, NB), lambda s: (s, 0, 0)), *w_specs,
+                    ], max_concurrent_steps=cfg.stages)(h_ref.at[u], *w_refs)
+                    return tuple(a[...] for a in accs)
+
+                return pl.run_scoped(acc_scope, *[plgpu.ACC((BM, NB)) for _ in range(DT)])
+
+            ys = _with_scratch(interpret, DT, run)
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((DT, BM, NB), jnp.float32))
+            def _(o_smem):
+                for i in range(DT):
+                    o_smem[i] = ys[i]
+                plgpu.commit_smem()
+                for i in range(DT):
+                    plgpu.copy_smem_to_gmem(o_smem.at[i], y_ref.at[u, pl.ds((d * DT + i) * BM, BM)])
+                plgpu.wait_smem_to_gmem(0)
+
+    kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((P, ND * BM, NB), jnp.float32), grid=(P, ND // DT),
+                        grid_names=("u", "d"), compiler_params=_params(), interpret=_interp(interpret))
+    return kern(slot_e, hg, dn_q, dn_s)
+
+
+def _interp(interpret):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def routing(ids_TK, w_TK):
+    """-> slot_e [P] (pair p's expert, -1 unless p is the first pair routed to it) and wt [P, NB] f32 (the
+    routing weight of token n for pair p's expert; 0 for duplicate pairs and padding tokens)."""
+    T, K = ids_TK.shape
+    flat = ids_TK.reshape(-1).astype(jnp.int32)
+    p = jnp.arange(T * K)
+    dup = jnp.any((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None]), axis=1)
+    slot_e = jnp.where(dup, -1, flat)
+    hit = ids_TK.astype(jnp.int32)[None, :, :] == flat[:, None, None]  # [P, T, K]
+    wt = jnp.sum(jnp.where(hit, w_TK.astype(jnp.float32)[None], 0.0), axis=2)  # [P, T]
+    wt = jnp.where(dup[:, None], 0.0, wt)  # (moe_mgpu also masks these pairs' outputs: they are never written)
+    return slot_e, jnp.pad(wt, ((0, 0), (0, NB - T)))
+
+
+def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), interpret: bool = False):
+    """`moe_int4.moe_ref` for T <= 16 tokens with bf16 activations (x and h are rounded to bf16, as the
+    reference does for a bf16 x); experts in the layout above (or the checkpoint layout, converted here:
+    correct but slow, a whole-layer re-layout per call)."""
+    T, D = x_TD.shape
+    if not supports(x_TD, experts):
+        raise ValueError(f"moe_mgpu runs T <= {MAX_TOKENS} tokens with D (the experts') and F multiples of {BM}: "
+                         f"got x {x_TD.shape}")
+    if "gate_packed" in experts:
+        experts = to_mgpu_layout(experts)
+    slot_e, wt = routing(ids_TK, w_TK)
+    xg = jnp.pad(x_TD.astype(jnp.bfloat16), ((0, NB - T), (0, 0))).T.reshape(D // GROUP, GROUP, NB)
+    h = _gate_up(slot_e, xg, experts["gu_q"], experts["gu_s"], cfg=cfg, interpret=interpret)
+    y_PDN = _down(slot_e, h, experts["dn_q"], experts["dn_s"], cfg=cfg, interpret=interpret)
+    y_PDN = jnp.where((slot_e >= 0)[:, None, None], y_PDN, 0.0)  # inactive programs wrote nothing
+    y_TD = jnp.einsum("pdn,pn->nd", y_PDN, wt)[:T]
+    return y_TD.astype(x_TD.dtype)

@@ -1,0 +1,166 @@
+"""CPU tests of the Mosaic GPU INT4 MoE (interpret=True) against the XLA reference `moe_ref`.
+
+Fresh random inputs per case (seed printed on failure).  Packed weights are random int32 words, so every
+nibble value and sign pattern appears.  Sizes are chosen so the step size does not divide the work:
+D = 320 is 10 scale groups and F = 192 is 6, neither a multiple of the default 8 groups per step, and
+F / 64 = 3, D / 64 = 5 blocks.  The interpreter is slow (seconds per call), so the cases are few and each
+covers several things at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kernel_inputs import fresh_seed as _seed
+from kimijax.quant import dequantize, unpack_int4_np
+from pallas_kernels import moe_int4 as mi
+from pallas_kernels import moe_int4_mgpu as mg
+
+E, F, D = 6, 192, 320
+
+
+def _experts(rng, E=E, F=F, D=D):
+    """Checkpoint-layout experts: random words (any nibble is a valid q + 8) and small positive scales."""
+    def words(*shape):
+        return jnp.asarray(rng.integers(-2**31, 2**31, size=shape, dtype=np.int64).astype(np.int32))
+
+    def scales(*shape):
+        return jnp.asarray(rng.uniform(0.004, 0.02, size=shape), jnp.bfloat16)
+
+    return {"gate_packed": words(E, F, D // 8), "gate_scale": scales(E, F, D // 32),
+            "up_packed": words(E, F, D // 8), "up_scale": scales(E, F, D // 32),
+            "down_packed": words(E, D, F // 8), "down_scale": scales(E, D, F // 32)}
+
+
+def _routing(rng, T, K, pool=None):
+    """Distinct experts per token (as top-k gives) drawn from `pool`; weights differ per token."""
+    pool = np.arange(E) if pool is None else np.asarray(pool)
+    ids = np.stack([rng.permutation(pool)[:K] for _ in range(T)])
+    w = rng.uniform(0.05, 1.0, size=(T, K)).astype(np.float32)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(w)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _check(T, K, *, pool=None, ids=None, cfg=mg.Config(), relayout=True):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    ex = _experts(rng)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    ids_r, w = _routing(rng, T, K, pool)
+    if ids is not None:
+        ids_r = jnp.asarray(ids, jnp.int32)
+    ex_k = mg.to_mgpu_layout(ex) if relayout else ex  # checkpoint layout: moe_mgpu converts it itself
+    assert mg.supports(x, ex_k)
+    y = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg, interpret=True))(x, ids_r, w, ex_k)
+    y_ref = jax.jit(mi.moe_ref)(x, ids_r, w, ex)
+    msg = f"seed={seed} T={T} K={K} cfg={cfg} ids={np.asarray(ids_r).tolist()}"
+    assert y.shape == (T, D) and y.dtype == x.dtype, msg
+    assert np.all(np.isfinite(np.asarray(y, np.float32))), msg
+    assert np.linalg.norm(np.asarray(y_ref, np.float32)) > 0, msg  # a vacuous comparison would pass anything
+    err = _rel(y, y_ref)
+    assert err < 2e-2, f"{msg}: rel err {err:.2e}"
+
+
+def test_one_token_checkpoint_layout():
+    # decode's common case; also the in-call conversion from the checkpoint layout
+    _check(T=1, K=4, relayout=False)
+
+
+def test_five_tokens_k2_empty_experts():
+    # experts 0, 2, 5 never routed: their programs exit and their outputs must not leak in
+    _check(T=5, K=2, pool=[1, 3, 4])
+
+
+def test_sixteen_tokens_all_experts():
+    # the full token width: all 16 wgmma columns are real tokens
+    _check(T=16, K=4)
+
+
+def test_all_tokens_on_the_same_experts():
+    # every pair after the first K is a duplicate: one program per expert serves all 16 token columns,
+    # and per-token weights must still come out per column
+    _check(T=16, K=4, ids=np.tile([[5, 0, 3, 2]], (16, 1)))
+
+
+def test_repeated_expert_within_a_token():
+    # top-k never gives this, but the reference adds both weights; so must the per-token weight sum
+    _check(T=5, K=2, ids=np.array([[1, 1], [0, 4], [4, 4], [2, 1], [0, 0]]))
+
+
+def test_non_default_config():
+    # 4 groups per step divides neither 10 nor 6 groups (falls back to 2 / 3); 2 stages.  The interpreter
+    # waits on every group anyway, so wait_each_group=False only checks that the flag is accepted here
+    _check(T=5, K=4, cfg=mg.Config(groups_per_step=4, stages=2, wait_each_group=False))
+
+
+def test_routing_marks_duplicates_and_spreads_weights():
+    ids = jnp.asarray([[2, 0], [0, 1], [2, 1]], jnp.int32)
+    w = jnp.asarray([[0.5, 0.25], [0.125, 1.0], [2.0, 4.0]], jnp.float32)
+    slot_e, wt = mg.routing(ids, w)
+    # first pair routed to each expert owns it; later pairs of the same expert are inactive
+    np.testing.assert_array_equal(np.asarray(slot_e), [2, 0, -1, 1, -1, -1])
+    assert wt.shape == (6, mg.NB)
+    want = np.zeros((6, mg.NB), np.float32)
+    want[0, :3] = [0.5, 0.0, 2.0]  # expert 2, tokens 0..2
+    want[1, :3] = [0.25, 0.125, 0.0]  # expert 0
+    want[3, :3] = [0.0, 1.0, 4.0]  # expert 1
+    np.testing.assert_array_equal(np.asarray(wt), want)
+
+
+def test_layout_keeps_the_bytes():
+    rng = np.random.default_rng(_seed())
+    ex = _experts(rng)
+    lay = mg.to_mgpu_layout(ex)
+    assert set(lay) == set(mg.MGPU_KEYS)
+    shapes = {"gu_q": (E, F // 64, D // 32, 128, 32), "gu_s": (E, F // 64, D // 32, 128),
+              "dn_q": (E, D // 64, F // 32, 64, 32), "dn_s": (E, D // 64, F // 32, 64)}
+    for k, s in shapes.items():
+        assert lay[k].shape == s, k
+    assert lay["gu_q"].dtype == lay["dn_q"].dtype == jnp.int4
+    assert lay["gu_s"].dtype == lay["dn_s"].dtype == jnp.bfloat16
+
+    def unblock(a):
+        """[E, out/64, in/32, 64, 32] -> [E, out, in] (or the scales' [E, out/64, in/32, 64] -> [E, out, in/32])."""
+        if a.ndim == 5:
+            n, o, i, r, c = a.shape
+            return a.transpose(0, 1, 3, 2, 4).reshape(n, o * r, i * c)
+        n, o, i, r = a.shape
+        return a.transpose(0, 1, 3, 2).reshape(n, o * r, i)
+
+    gu_q = np.asarray(lay["gu_q"]).astype(np.int8)
+    gu_s = np.asarray(lay["gu_s"])
+    parts = {"gate": (gu_q[..., :64, :], gu_s[..., :64]), "up": (gu_q[..., 64:, :], gu_s[..., 64:]),
+             "down": (np.asarray(lay["dn_q"]).astype(np.int8), np.asarray(lay["dn_s"]))}
+    for name, (q_blk, s_blk) in parts.items():
+        q, s = unblock(q_blk), unblock(s_blk)
+        packed, scale = ex[f"{name}_packed"], ex[f"{name}_scale"]
+        np.testing.assert_array_equal(q, unpack_int4_np(np.asarray(packed)), err_msg=name)
+        np.testing.assert_array_equal(s.view(np.uint16), np.asarray(scale).view(np.uint16), err_msg=name)
+        # dequantised as the kernel does, bf16(q * s), against the checkpoint's dequantisation
+        w = (q.astype(ml_dtypes.bfloat16).reshape(*s.shape, 32) * s[..., None]).reshape(q.shape)
+        np.testing.assert_array_equal(w.astype(np.float32),
+                                      np.asarray(dequantize(packed, scale), np.float32), err_msg=name)
+
+
+def test_seventeen_tokens_refused():
+    rng = np.random.default_rng(_seed())
+    ex = _experts(rng)
+    lay = mg.to_mgpu_layout(ex)
+    x16 = jnp.asarray(rng.normal(size=(16, D)), jnp.bfloat16)
+    x17 = jnp.asarray(rng.normal(size=(17, D)), jnp.bfloat16)
+    ids, w = _routing(rng, 17, 2)
+    assert mg.supports(x16, lay) and mg.supports(x16, ex)
+    assert not mg.supports(x17, lay) and not mg.supports(x17, ex)
+    for experts in (lay, ex):
+        with pytest.raises(ValueError, match="T <= 16"):
+            mg.moe_mgpu(x17, ids, w, experts, interpret=True)
