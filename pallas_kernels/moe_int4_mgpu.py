@@ -55,6 +55,7 @@ class Config:
     stages: int = 3  # pipeline steps in flight (TMA)
     wait_each_group: bool = True  # wgmma_wait(0) after every group (False: keep one group's MMAs in flight)
     down_tiles: int = 1  # 64-row tiles of D per down program (more bytes per step, fewer programs)
+    vector_loads: bool = False  # load each int4 tile as 4-byte vectors (WGMMA_UPCAST_4X) + register shuffles
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,14 +117,18 @@ def _fit(n: int, want: int) -> int:
     return g
 
 
-def _mma_groups(tiles, b_smem, n_groups, a_scr, wait_each_group):
+def _mma_groups(tiles, b_smem, n_groups, a_scr, wait_each_group, vector_loads=False):
     """For each of the step's groups and each tile (acc, weights [GS, rows, 32], scales [GS, rows], first
     row): dequantise the tile's [64, 32] int4 block of that group to bf16(q * s) and accumulate it times the
     group's [32, NB] activations."""
     for g in range(n_groups):
         for j, (acc, w_smem, s_smem, lo) in enumerate(tiles):
             sc = s_smem[g]
-            a = w_smem[g, lo:lo + BM].astype(jnp.bfloat16) * sc[lo:lo + BM, None]
+            if vector_loads and a_scr is None:
+                q = plgpu.load(w_smem.at[g, lo:lo + BM], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                a = plgpu.layout_cast(q, plgpu.Layout.WGMMA).astype(jnp.bfloat16) * sc[lo:lo + BM, None]
+            else:
+                a = w_smem[g, lo:lo + BM].astype(jnp.bfloat16) * sc[lo:lo + BM, None]
             if a_scr is not None:  # interpret mode: wgmma operands from shared memory only
                 a_scr[j] = a
                 a = a_scr.at[j]
@@ -162,7 +167,7 @@ def _gate_up(slot_e, xg, gu_q, gu_s, *, cfg: Config, interpret):
                 def accs_scope(acc_g, acc_u):
                     def step(_, x_smem, q_smem, s_smem):
                         _mma_groups(((acc_g, q_smem, s_smem, 0), (acc_u, q_smem, s_smem, BM)), x_smem, GS, a_scr,
-                                    cfg.wait_each_group)
+                                    cfg.wait_each_group, cfg.vector_loads)
 
                     plgpu.emit_pipeline(step, grid=(G // GS,), in_specs=[
                         plgpu.BlockSpec((GS, GROUP, NB), lambda s: (s, 0, 0)),
@@ -205,7 +210,7 @@ def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret):
                 def acc_scope(*accs):
                     def step(_, h_smem, *ws):
                         tiles = [(accs[i], ws[2 * i], ws[2 * i + 1], 0) for i in range(DT)]
-                        _mma_groups(tiles, h_smem, GS, a_scr, cfg.wait_each_group)
+                        _mma_groups(tiles, h_smem, GS, a_scr, cfg.wait_each_group, cfg.vector_loads)
 
                     w_specs = [plgpu.BlockSpec((GS, BM, GROUP), lambda s: (s, 0, 0)),
                                plgpu.BlockSpec((GS, BM), lambda s: (s, 0))] * DT

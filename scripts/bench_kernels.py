@@ -188,7 +188,8 @@ MOE_AB_CONFIGS = dict(MOE_CONFIGS,
                       mgpu_g4s4=dict(backend="mgpu", groups_per_step=4, stages=4),
                       mgpu_g16s2=dict(backend="mgpu", groups_per_step=16, stages=2),
                       mgpu_g8s5=dict(backend="mgpu", stages=5),
-                      mgpu_d2=dict(backend="mgpu", down_tiles=2))
+                      mgpu_d2=dict(backend="mgpu", down_tiles=2),
+                      mgpu_vec=dict(backend="mgpu", vector_loads=True))
 MGPU_LAYOUT = {}  # the experts in the Mosaic GPU layout, made on first use by an "mgpu" configuration
 # Measured out earlier (BENCHMARKS.md, 2026-12-03 runs 1-3; since removed from the kernel): transposed bf16
 # scales (unpipelined 16-bit loads), scales applied to each plane's f32 dot, untiled words, 128-row blocks.

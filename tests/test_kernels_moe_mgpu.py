@@ -164,3 +164,19 @@ def test_seventeen_tokens_refused():
     for experts in (lay, ex):
         with pytest.raises(ValueError, match="T <= 16"):
             mg.moe_mgpu(x17, ids, w, experts, interpret=True)
+
+
+@pytest.mark.parametrize("cfg", [mg.Config(), mg.Config(wait_each_group=False), mg.Config(down_tiles=2),
+                                 mg.Config(vector_loads=True)], ids=["default", "nowait", "d2", "vec"])
+def test_gpu_lowering_at_kimi_width(cfg):
+    """The GPU path (which interpret mode never runs: registers-operand wgmma, the vector-load relayout)
+    lowers for CUDA on this CPU host, Mosaic's layout inference included, at full Kimi width."""
+    S = jax.ShapeDtypeStruct
+    E_, D_, F_ = 384, 7168, 2048
+    ex = {"gu_q": S((E_, F_ // 64, D_ // 32, 128, 32), jnp.int4), "gu_s": S((E_, F_ // 64, D_ // 32, 128), jnp.bfloat16),
+          "dn_q": S((E_, D_ // 64, F_ // 32, 64, 32), jnp.int4), "dn_s": S((E_, D_ // 64, F_ // 32, 64), jnp.bfloat16)}
+    for T in (1, 16):
+        args = (S((T, D_), jnp.bfloat16), S((T, 8), jnp.int32), S((T, 8), jnp.float32), ex)
+        text = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") >= 2

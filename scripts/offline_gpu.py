@@ -1,0 +1,262 @@
+"""Compile for an H200 on a CPU-only host: XLA's deviceless GPU compilation, for the questions that need the
+GPU compiler but not the GPU (how many kernels a compiled round launches, what a Mosaic GPU kernel's SASS
+looks like). Timings still come from the device scripts.
+
+Set-up (a separate venv: the CUDA plugin must not be in the one the tests use), once:
+
+  cp -a .venv /tmp/gvenv     # or any py3.12 venv with kimijax's requirements
+  /tmp/gvenv/bin/python -m pip install "jax-cuda13-plugin[with-cuda]==0.11.2" nvidia-cuda-nvdisasm
+
+This script skips the plugin's version checks (they need a driver); the plugin then fails to make a GPU client (no driver), jax falls back to the CPU backend, and XLA's GPU
+compiler still runs for a topology built from a target description (`h200_target.txtpb`, written from the
+H200's public specifications; the compiler reads its compute capability, SM count, shared memory and
+bandwidth). Without a device XLA does not autotune, so GEMM algorithm choices can differ from the device's;
+fusion decisions and kernel counts do not depend on autotuning except for GEMM fusions.
+
+  python scripts/offline_gpu.py kernels --what moe --tokens 1      # a compiled program's launches
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import re
+from pathlib import Path
+
+TARGET = Path(__file__).resolve().parent / "h200_target.txtpb"
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before jax picks its backends
+
+# Ops of a scheduled HLO computation that launch nothing (or are folded into their users).
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "add-dependency", "domain"}
+
+
+@functools.cache
+def device():
+    """A pretend H200 (XLA GPU topology from TARGET): the device to put ShapeDtypeStructs on."""
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc("h200", "cuda", target_config=TARGET.read_text(), topology="1x1x1")
+    except NotImplementedError as e:
+        raise SystemExit("no CUDA plugin in this Python: see scripts/offline_gpu.py for the set-up") from e
+    return topo.devices[0]
+
+
+def abstract(tree):
+    """Arrays / ShapeDtypeStructs -> ShapeDtypeStructs on the pretend H200."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    s = SingleDeviceSharding(device())
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)
+
+
+def compile_for_gpu(fn, *args, static_argnums=()):
+    """-> the compiled executable of jit(fn) for the pretend H200 (args: arrays or ShapeDtypeStructs). Pallas
+    Triton kernels lower with the H200's GPU info (their lowering asks the local GPU otherwise)."""
+    import jax
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+
+    dyn = tuple(a if i in static_argnums else abstract(a) for i, a in enumerate(args))
+    info = reg.gpu_info_lib.get_gpu_info
+    reg.gpu_info_lib.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    try:
+        lowered = jax.jit(fn, static_argnums=static_argnums).trace(*dyn).lower(lowering_platforms=("cuda",))
+    finally:
+        reg.gpu_info_lib.get_gpu_info = info
+    return lowered.compile()
+
+
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^=]*?\s([a-z][\w\-]*)\(")
+_CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
+                    r"false_computation)=\{?%?([\w.\-, %]+)\}?")
+
+
+def launches(hlo: str) -> list[tuple[str, str, str]]:
+    """The launches of a compiled (scheduled) HLO module in order, as (kind, instruction name, op_name
+    metadata), walking the entry computation and the computations it runs through while / conditional /
+    call (command-buffer calls included; a fusion is one launch, its body is not entered). A while body is
+    walked once (one iteration)."""
+    comps, cur = {}, None
+    entry = None
+    for line in hlo.splitlines():
+        m = _COMP.match(line)
+        if m and not line.startswith(" "):
+            cur = m.group(1)
+            comps[cur] = []
+            if line.startswith("ENTRY"):
+                entry = cur
+            continue
+        if cur is not None and line.strip() == "}":
+            cur = None
+            continue
+        if cur is not None:
+            comps[cur].append(line)
+    out: list[tuple[str, str, str]] = []
+    seen = set()
+
+    def walk(name):
+        if name in seen or name not in comps:
+            return
+        seen.add(name)
+        for line in comps[name]:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op = m.group(1)
+            if op in ("while", "conditional", "call"):
+                for grp in _CALLS.findall(line):
+                    for callee in grp.replace("%", "").split(","):
+                        walk(callee.strip())
+                continue
+            if op in _FREE:
+                continue
+            if op == "custom-call":
+                tgt = re.search(r'custom_call_target="([^"]+)"', line)
+                op = f"custom-call:{tgt.group(1) if tgt else '?'}"
+            elif op == "fusion":
+                kind = re.search(r"kind=(\w+)", line)
+                op = f"fusion:{kind.group(1) if kind else '?'}"
+            name = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)", line).group(1)
+            meta = re.search(r'op_name="([^"]*)"', line)
+            out.append((op, name, meta.group(1) if meta else ""))
+
+    if entry is not None:
+        walk(entry)
+    return out
+
+
+def count_kernels(hlo: str) -> dict:
+    """Launches per kind (see `launches`)."""
+    return dict(collections.Counter(k for k, _, _ in launches(hlo)).most_common())
+
+
+def mosaic_sass(compile_fn, workdir: str) -> dict[str, dict]:
+    """Compile (compile_fn()) with Mosaic GPU's PTX dumps on, assemble each kernel's PTX with the plugin's
+    ptxas for sm_90a and disassemble it: {kernel: {ptxas info, instruction counts of its main loop}}. The
+    main loop is taken to be the longest branch-free run of instructions (a pipeline step, unrolled)."""
+    import glob
+    import subprocess
+
+    import nvidia
+
+    bin_dir = Path(nvidia.__path__[0]) / "cu13" / "bin"
+    os.makedirs(workdir, exist_ok=True)
+    for f in glob.glob(os.path.join(workdir, "*")):
+        os.remove(f)
+    os.environ.update(MOSAIC_GPU_DUMP_TO=workdir, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+    try:
+        compile_fn()
+    finally:
+        for k in ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS"):
+            os.environ.pop(k, None)
+    out = {}
+    for ptx in sorted(glob.glob(os.path.join(workdir, "*.ptx"))):
+        base = ptx[:-4]
+        subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-O3", ptx, "-o", base + ".cubin"], check=True)
+        sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", base + ".cubin"], check=True, capture_output=True,
+                              text=True).stdout
+        Path(base + ".sass").write_text(sass)
+        ins = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+        loop, start = [], 0
+        for i, op in enumerate(ins):
+            if op.startswith("BRA"):
+                if i - start > len(loop):
+                    loop = ins[start:i]
+                start = i + 1
+        info = Path(base + ".ptxas").read_text() if os.path.exists(base + ".ptxas") else ""
+        regs = re.search(r"Used (\d+) registers", info)
+        spill = re.search(r"(\d+) bytes spill stores", info)
+        out[os.path.basename(base)] = dict(
+            registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None,
+            loop_len=len(loop), loop_ops=dict(collections.Counter(op.split(".")[0] for op in loop).most_common()))
+    return out
+
+
+def _moe(T: int, backend: str, cfg=None):
+    import jax
+    import jax.numpy as jnp
+
+    E, D, F, K = 384, 7168, 2048, 8
+    S = jax.ShapeDtypeStruct
+    x, ids, w = S((T, D), jnp.bfloat16), S((T, K), jnp.int32), S((T, K), jnp.float32)
+    if backend == "mgpu":
+        from pallas_kernels.moe_int4_mgpu import Config, moe_mgpu
+        ex = {"gu_q": S((E, F // 64, D // 32, 128, 32), jnp.int4), "gu_s": S((E, F // 64, D // 32, 128), jnp.bfloat16),
+              "dn_q": S((E, D // 64, F // 32, 64, 32), jnp.int4), "dn_s": S((E, D // 64, F // 32, 64), jnp.bfloat16)}
+        return compile_for_gpu(functools.partial(moe_mgpu, cfg=cfg or Config()), x, ids, w, ex)
+    from pallas_kernels.moe_int4 import moe
+    words = S((E, F * D // 128, 16), jnp.int32)
+    ex = {"gate_planar": words, "up_planar": words, "down_planar": words,
+          "gate_scale_t": S((E, D // 64, F), jnp.int32), "up_scale_t": S((E, D // 64, F), jnp.int32),
+          "down_scale_t": S((E, F // 64, D), jnp.int32)}
+    return compile_for_gpu(lambda *a: moe(*a, impl="pallas"), x, ids, w, ex)
+
+
+def _attn(T: int, L: int, impl: str):
+    """The absorbed MLA block of one full-width Kimi K2.6 layer (scripts/profile_block.py --block attn)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kimijax.config import KIMI_K26 as cfg
+    from kimijax.models.common import causal_tree_mask
+    from kimijax.models.mla import MLA
+
+    mla = MLA(cfg, jnp.bfloat16, impl)
+    S = jax.ShapeDtypeStruct
+    x = S((1, T, cfg.hidden_size), jnp.bfloat16)
+    pos = S((1, T), jnp.int32)
+    cache = S((1, L, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.bfloat16)
+    lens = S((1,), jnp.int32)
+    p = jax.eval_shape(lambda: mla.init(jax.random.PRNGKey(0), jnp.zeros((1, T, cfg.hidden_size), jnp.bfloat16),
+                                        jnp.zeros((1, T), jnp.int32)))["params"]
+    from flax.core import meta
+    p = meta.unbox(p)
+    mask = causal_tree_mask(1, T)
+    return compile_for_gpu(lambda p, x, pos, cache, lens, mask: mla.apply({"params": p}, x, pos, cache, lens, mask,
+                                                                         absorbed=True), p, x, pos, cache, lens, mask)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=["kernels", "sass"])
+    ap.add_argument("--what", default="moe", choices=["moe", "attn"])
+    ap.add_argument("--impl", default="pallas", help="attn: tree attention impl (pallas, xla, auto)")
+    ap.add_argument("--context", type=int, default=4096, help="attn: cache slots L")
+    ap.add_argument("--list", action="store_true", help="print every launch with its op_name")
+    ap.add_argument("--config", default="", help="sass: moe_int4_mgpu.Config fields, e.g. vector_loads=1,stages=4")
+    ap.add_argument("--keep", default="/tmp/kimijax_sass", help="sass: where the PTX / SASS files go")
+    ap.add_argument("--backend", default="mgpu", choices=["mgpu", "triton"])
+    ap.add_argument("--tokens", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.cmd == "sass":
+        from pallas_kernels.moe_int4_mgpu import Config
+        kw = {k: int(v) for k, v in (kv.split("=") for kv in args.config.split(",") if kv)}
+        cfg = Config(**{k: (bool(v) if isinstance(getattr(Config(), k), bool) else v) for k, v in kw.items()})
+        rep = mosaic_sass(lambda: _moe(args.tokens, "mgpu", cfg), args.keep)
+        for name, r in rep.items():
+            print(f"{name}: {r['registers']} registers, {r['spill_bytes']} B spilled; main loop "
+                  f"{r['loop_len']} instructions: " + " ".join(f"{k} {v}" for k, v in r["loop_ops"].items()))
+        return 0
+    if args.what == "moe":
+        c = _moe(args.tokens, args.backend)
+    else:
+        c = _attn(args.tokens, args.context, args.impl)
+    hlo = c.as_text()
+    if args.list:
+        for kind, name, meta in launches(hlo):
+            print(f"{kind:32s} {name:40s} {meta[-110:]}")
+    n = count_kernels(hlo)
+    print(f"{sum(n.values())} launches: " + ", ".join(f"{k} {v}" for k, v in n.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
