@@ -56,6 +56,7 @@ class Config:
     wait_each_group: bool = True  # wgmma_wait(0) after every group (False: keep one group's MMAs in flight)
     down_tiles: int = 1  # 64-row tiles of D per down program (more bytes per step, fewer programs)
     vector_loads: bool = False  # load each int4 tile as 4-byte vectors (WGMMA_UPCAST_4X) + register shuffles
+    # (weights in the int4 tile layout only; the words layout below ignores both)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,19 +85,55 @@ def _one_expert(gp, gs, up, us, dp, ds):
             dq.astype(jnp.int4), dsb)
 
 
-def to_mgpu_layout(experts: dict) -> dict:
+# The thread words: thread t = 32 w + 4 i + c of the warpgroup holds, for the wgmma A operand of a [64, 32]
+# tile, rows 16 w + i + 8 h (h = 0, 1) and columns 8 j + 2 c + e (j = 0..3, e = 0, 1) as bf16 pairs (e = 0
+# low half) in register (j, h) of Mosaic's WGMMA layout. Word (t, h) puts the nibble (q + 8) of column
+# 8 j + 2 c + e at bits 4 (j + 4 e): `(word >> 4 j) & 0x000F000F` is then register (j, h)'s pair of nibbles.
+_J_E_SHIFT = 4 * (jnp.arange(4)[:, None] + 4 * jnp.arange(2)[None, :])  # [j, e]
+
+
+def _permute_last6(a, perm):
+    n = a.ndim - 6
+    return jnp.transpose(a, (*range(n), *(n + k for k in perm)))
+
+
+def _tile_words(q):
+    """int q [..., 64, 32] (-8..7) -> int32 [..., 256]: word 2 t + h of thread t (layout above)."""
+    nib = (q.astype(jnp.int32) + 8).reshape(*q.shape[:-2], 4, 2, 8, 4, 4, 2)  # [w, h, i, j, c, e]
+    nib = _permute_last6(nib, (0, 2, 4, 1, 3, 5))  # -> [w, i, c, h, j, e]
+    words = jnp.sum(nib.astype(jnp.uint32) << _J_E_SHIFT.astype(jnp.uint32), axis=(-2, -1), dtype=jnp.uint32)
+    return lax.bitcast_convert_type(words, jnp.int32).reshape(*q.shape[:-2], 256)
+
+
+def _words_tile(words):
+    """Inverse of _tile_words: int32 [..., 256] -> int32 q [..., 64, 32]."""
+    w = lax.bitcast_convert_type(words, jnp.uint32).reshape(*words.shape[:-1], 4, 8, 4, 2)  # [w, i, c, h]
+    nib = jnp.stack([jnp.stack([(w >> jnp.uint32(4 * (j + 4 * e))) & jnp.uint32(0xF) for e in range(2)], -1)
+                     for j in range(4)], -2)  # [w, i, c, h, j, e] (no array constants: this runs in the kernel)
+    nib = _permute_last6(nib, (0, 3, 1, 4, 2, 5))  # -> [w, h, i, j, c, e]
+    return nib.astype(jnp.int32).reshape(*words.shape[:-1], 64, 32) - 8
+
+
+def _one_expert_words(gp, gs, up, us, dp, ds):
+    gq, gu_s, dq, dn_s = _one_expert(gp, gs, up, us, dp, ds)
+    gq = gq.astype(jnp.int8).reshape(*gq.shape[:2], 2, BM, GROUP)  # [F/64, D/32, gate|up, 64, 32]
+    return _tile_words(gq), gu_s, _tile_words(dq.astype(jnp.int8)), dn_s
+
+
+def to_mgpu_layout(experts: dict, words: bool = False) -> dict:
     """Checkpoint INT4 expert dict (gate/up/down _packed + _scale; kimijax/quant.py) -> the layout above,
-    one expert at a time (lax.map: the temporaries are one expert's nibbles)."""
+    one expert at a time (lax.map: the temporaries are one expert's nibbles). words=True: the weights as
+    thread words (gu_q int32 [E, F/64, D/32, 2, 256], dn_q int32 [E, D/64, F/32, 256]; same bytes)."""
     ins = tuple(experts[k] for k in ("gate_packed", "gate_scale", "up_packed", "up_scale",
                                       "down_packed", "down_scale"))
-    gu_q, gu_s, dn_q, dn_s = lax.map(lambda a: _one_expert(*a), ins)
+    gu_q, gu_s, dn_q, dn_s = lax.map(lambda a: (_one_expert_words if words else _one_expert)(*a), ins)
     return {"gu_q": gu_q, "gu_s": gu_s.astype(jnp.bfloat16), "dn_q": dn_q, "dn_s": dn_s.astype(jnp.bfloat16)}
 
 
 def supports(x_TD, experts: dict) -> bool:
     """Shapes this path runs: T <= 16 tokens, D (matching the experts') and F multiples of 64."""
     T, D = x_TD.shape
-    if "gu_q" in experts:
+    if "gu_q" in experts:  # int4 tiles or thread words: [E, F/64, D/32, ...] either way
         F, De = experts["gu_q"].shape[1] * BM, experts["gu_q"].shape[2] * GROUP
     elif "gate_packed" in experts:
         F, De = experts["gate_packed"].shape[1], experts["gate_packed"].shape[2] * 8
@@ -117,14 +154,64 @@ def _fit(n: int, want: int) -> int:
     return g
 
 
+@functools.cache
+def _words_dequant():
+    """inline Mosaic GPU: a thread-words tile ref [256] int32 in shared memory -> its int4 values q as a bf16
+    [64, 32] array in the WGMMA layout. Per thread: one 8-byte load, then per register pair a shift, an
+    and-or onto the exponent of 128 (bf16 128 + nibble: exact) and a subtraction of 136 (= q, exact)."""
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                       return_type=plgpu.ShapeDtypeStruct((BM, GROUP), jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def dequant(ctx, ref):
+        del ctx
+        i32, bf16 = ir.IntegerType.get_signless(32), ir.BF16Type.get()
+        idx = ir.IndexType.get()
+        tid = arith.remui(mgu.thread_idx(), mgu.c(128, i32))
+        off = arith.index_cast(idx, arith.muli(tid, mgu.c(2, i32)))
+        v = vector.load(ir.VectorType.get([2], i32), ref, [off])
+        pair_ty = ir.VectorType.get([2], bf16)
+        regs = np.empty(fa.WGMMA_LAYOUT.registers_shape((BM, GROUP)), dtype=object)
+        for h in range(2):
+            word = vector.extract(v, dynamic_position=[], static_position=[h])
+            for j in range(4):
+                # as inline PTX (like Mosaic's own int4 upcast): written as LLVM and/or, ptxas rematerialises
+                # the mask into a register before every lop3
+                pair = llvm.inline_asm(i32, [word], f"""
+                    {{
+                    .reg .b32 s<3>;
+                    shr.u32 s0, $1, {4 * j};
+                    lop3.b32 s1, s0, 0x000F000F, 0x43004300, (0xf0 & 0xcc) | 0xaa;
+                    mov.b32 s2, 0x43084308;
+                    sub.bf16x2 $0, s1, s2;
+                    }}
+                    """, "=r,r")
+                regs[0, j, 0, 0, h, 0, 0, 0, 0] = mgu.bitcast(pair, pair_ty)
+        return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return dequant
+
+
 def _mma_groups(tiles, b_smem, n_groups, a_scr, wait_each_group, vector_loads=False):
-    """For each of the step's groups and each tile (acc, weights [GS, rows, 32], scales [GS, rows], first
-    row): dequantise the tile's [64, 32] int4 block of that group to bf16(q * s) and accumulate it times the
-    group's [32, NB] activations."""
+    """For each of the step's groups and each tile (acc, weights [GS, ...], scales [GS, rows], first row,
+    words index): dequantise the tile's [64, 32] int4 block of that group to bf16(q * s) and accumulate it
+    times the group's [32, NB] activations. words index None: weights [GS, rows, 32] int4; else thread words
+    [GS, (tiles,) 256] int32, that tile's words at w_smem.at[g, *index]."""
     for g in range(n_groups):
-        for j, (acc, w_smem, s_smem, lo) in enumerate(tiles):
+        for j, (acc, w_smem, s_smem, lo, widx) in enumerate(tiles):
             sc = s_smem[g]
-            if vector_loads and a_scr is None:
+            if widx is not None:
+                if a_scr is None:
+                    q = _words_dequant()(w_smem.at[(g, *widx)])
+                else:  # interpret mode: decode the words with jnp
+                    q = _words_tile(w_smem[(g, *widx)]).astype(jnp.bfloat16)
+                a = q * sc[lo:lo + BM, None]
+            elif vector_loads and a_scr is None:
                 q = plgpu.load(w_smem.at[g, lo:lo + BM], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                 a = plgpu.layout_cast(q, plgpu.Layout.WGMMA).astype(jnp.bfloat16) * sc[lo:lo + BM, None]
             else:
@@ -154,8 +241,10 @@ def _with_scratch(interpret, n, fn):
 
 def _gate_up(slot_e, xg, gu_q, gu_s, *, cfg: Config, interpret):
     P = slot_e.shape[0]
-    _, NF, G, _, _ = gu_q.shape
+    NF, G = gu_q.shape[1:3]
     GS = _fit(G, cfg.groups_per_step)
+    words = gu_q.dtype == jnp.int32
+    q_block = (GS, 2, 256) if words else (GS, 2 * BM, GROUP)
 
     def body(e_ref, x_ref, q_ref, s_ref, h_ref):
         u, f = lax.axis_index("u"), lax.axis_index("f")
@@ -166,12 +255,13 @@ def _gate_up(slot_e, xg, gu_q, gu_s, *, cfg: Config, interpret):
             def run(a_scr):
                 def accs_scope(acc_g, acc_u):
                     def step(_, x_smem, q_smem, s_smem):
-                        _mma_groups(((acc_g, q_smem, s_smem, 0), (acc_u, q_smem, s_smem, BM)), x_smem, GS, a_scr,
-                                    cfg.wait_each_group, cfg.vector_loads)
+                        tiles = ((acc_g, q_smem, s_smem, 0, (0,) if words else None),
+                                 (acc_u, q_smem, s_smem, BM, (1,) if words else None))
+                        _mma_groups(tiles, x_smem, GS, a_scr, cfg.wait_each_group, cfg.vector_loads)
 
                     plgpu.emit_pipeline(step, grid=(G // GS,), in_specs=[
                         plgpu.BlockSpec((GS, GROUP, NB), lambda s: (s, 0, 0)),
-                        plgpu.BlockSpec((GS, 2 * BM, GROUP), lambda s: (s, 0, 0)),
+                        plgpu.BlockSpec(q_block, lambda s: (s, 0, 0)),
                         plgpu.BlockSpec((GS, 2 * BM), lambda s: (s, 0)),
                     ], max_concurrent_steps=cfg.stages)(x_ref, q_ref.at[e, f], s_ref.at[e, f])
                     return acc_g[...], acc_u[...]
@@ -195,8 +285,10 @@ def _gate_up(slot_e, xg, gu_q, gu_s, *, cfg: Config, interpret):
 
 def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret):
     P = slot_e.shape[0]
-    _, ND, Gf, _, _ = dn_q.shape
+    ND, Gf = dn_q.shape[1:3]
     GS = _fit(Gf, cfg.groups_per_step)
+    words = dn_q.dtype == jnp.int32
+    q_block, q_map = ((GS, 256), lambda s: (s, 0)) if words else ((GS, BM, GROUP), lambda s: (s, 0, 0))
     DT = cfg.down_tiles if ND % cfg.down_tiles == 0 else 1
     hg = h.reshape(P, Gf, GROUP, NB)
 
@@ -209,10 +301,10 @@ def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret):
             def run(a_scr):
                 def acc_scope(*accs):
                     def step(_, h_smem, *ws):
-                        tiles = [(accs[i], ws[2 * i], ws[2 * i + 1], 0) for i in range(DT)]
+                        tiles = [(accs[i], ws[2 * i], ws[2 * i + 1], 0, () if words else None) for i in range(DT)]
                         _mma_groups(tiles, h_smem, GS, a_scr, cfg.wait_each_group, cfg.vector_loads)
 
-                    w_specs = [plgpu.BlockSpec((GS, BM, GROUP), lambda s: (s, 0, 0)),
+                    w_specs = [plgpu.BlockSpec(q_block, q_map),
                                plgpu.BlockSpec((GS, BM), lambda s: (s, 0))] * DT
                     w_refs = [r for i in range(DT) for r in (q_ref.at[e, d * DT + i], s_ref.at[e, d * DT + i])]
                     plgpu.emit_pipeline(step, grid=(Gf // GS,), in_specs=[

@@ -189,8 +189,11 @@ MOE_AB_CONFIGS = dict(MOE_CONFIGS,
                       mgpu_g16s2=dict(backend="mgpu", groups_per_step=16, stages=2),
                       mgpu_g8s5=dict(backend="mgpu", stages=5),
                       mgpu_d2=dict(backend="mgpu", down_tiles=2),
-                      mgpu_vec=dict(backend="mgpu", vector_loads=True))
-MGPU_LAYOUT = {}  # the experts in the Mosaic GPU layout, made on first use by an "mgpu" configuration
+                      mgpu_vec=dict(backend="mgpu", vector_loads=True),
+                      # the thread-words layout: one 8-byte load per tile and thread, dequant in inline PTX
+                      mgpu_words=dict(backend="mgpu", words=True),
+                      mgpu_words_d2=dict(backend="mgpu", words=True, down_tiles=2))
+MGPU_LAYOUT = {}  # the experts in the Mosaic GPU layouts (int4 tiles, thread words; 8.5 GB each at full width)
 # Measured out earlier (BENCHMARKS.md, 2026-12-03 runs 1-3; since removed from the kernel): transposed bf16
 # scales (unpipelined 16-bit loads), scales applied to each plane's f32 dot, untiled words, 128-row blocks.
 
@@ -204,10 +207,12 @@ def moe_case(name, T, experts, bytes_per_expert, roof, cfg, *, ref_experts=None,
     rec["bytes"] = rec["distinct_experts"] * bytes_per_expert
     rec["floor_us"] = rec["bytes"] / roof * 1e6
     if cfg.get("backend") == "mgpu":
-        if "ex" not in MGPU_LAYOUT:
-            MGPU_LAYOUT["ex"] = jax.block_until_ready(jax.jit(mg.to_mgpu_layout)(ref_experts))
-        experts = MGPU_LAYOUT["ex"]
-        mcfg = mg.Config(**{k: v for k, v in cfg.items() if k != "backend"})
+        words = bool(cfg.get("words"))
+        if words not in MGPU_LAYOUT:
+            MGPU_LAYOUT[words] = jax.block_until_ready(
+                jax.jit(functools.partial(mg.to_mgpu_layout, words=words))(ref_experts))
+        experts = MGPU_LAYOUT[words]
+        mcfg = mg.Config(**{k: v for k, v in cfg.items() if k not in ("backend", "words")})
         kern = functools.partial(mg.moe_mgpu, cfg=mcfg, interpret=INTERPRET)
     else:
         kern = functools.partial(mi.moe_pallas, interpret=INTERPRET, **cfg)

@@ -176,7 +176,7 @@ def mosaic_sass(compile_fn, workdir: str) -> dict[str, dict]:
     return out
 
 
-def _moe(T: int, backend: str, cfg=None):
+def _moe(T: int, backend: str, cfg=None, words: bool = False):
     import jax
     import jax.numpy as jnp
 
@@ -187,6 +187,8 @@ def _moe(T: int, backend: str, cfg=None):
         from pallas_kernels.moe_int4_mgpu import Config, moe_mgpu
         ex = {"gu_q": S((E, F // 64, D // 32, 128, 32), jnp.int4), "gu_s": S((E, F // 64, D // 32, 128), jnp.bfloat16),
               "dn_q": S((E, D // 64, F // 32, 64, 32), jnp.int4), "dn_s": S((E, D // 64, F // 32, 64), jnp.bfloat16)}
+        if words:  # the thread-words layout (to_mgpu_layout(words=True))
+            ex.update(gu_q=S((E, F // 64, D // 32, 2, 256), jnp.int32), dn_q=S((E, D // 64, F // 32, 256), jnp.int32))
         return compile_for_gpu(functools.partial(moe_mgpu, cfg=cfg or Config()), x, ids, w, ex)
     from pallas_kernels.moe_int4 import moe
     words = S((E, F * D // 128, 16), jnp.int32)
@@ -233,6 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print every launch with its op_name")
     ap.add_argument("--config", default="", help="sass: moe_int4_mgpu.Config fields, e.g. vector_loads=1,stages=4")
     ap.add_argument("--keep", default="/tmp/kimijax_sass", help="sass: where the PTX / SASS files go")
+    ap.add_argument("--words", action="store_true", help="moe mgpu: experts in the thread-words layout")
     ap.add_argument("--backend", default="mgpu", choices=["mgpu", "triton"])
     ap.add_argument("--tokens", type=int, default=1)
     args = ap.parse_args(argv)
@@ -240,13 +243,13 @@ def main(argv=None) -> int:
         from pallas_kernels.moe_int4_mgpu import Config
         kw = {k: int(v) for k, v in (kv.split("=") for kv in args.config.split(",") if kv)}
         cfg = Config(**{k: (bool(v) if isinstance(getattr(Config(), k), bool) else v) for k, v in kw.items()})
-        rep = mosaic_sass(lambda: _moe(args.tokens, "mgpu", cfg), args.keep)
+        rep = mosaic_sass(lambda: _moe(args.tokens, "mgpu", cfg, args.words), args.keep)
         for name, r in rep.items():
             print(f"{name}: {r['registers']} registers, {r['spill_bytes']} B spilled; main loop "
                   f"{r['loop_len']} instructions: " + " ".join(f"{k} {v}" for k, v in r["loop_ops"].items()))
         return 0
     if args.what == "moe":
-        c = _moe(args.tokens, args.backend)
+        c = _moe(args.tokens, args.backend, words=args.words)
     else:
         c = _attn(args.tokens, args.context, args.impl)
     hlo = c.as_text()

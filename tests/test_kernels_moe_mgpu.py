@@ -51,7 +51,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _check(T, K, *, pool=None, ids=None, cfg=mg.Config(), relayout=True):
+def _check(T, K, *, pool=None, ids=None, cfg=mg.Config(), relayout=True, words=False):
     seed = _seed()
     rng = np.random.default_rng(seed)
     ex = _experts(rng)
@@ -59,11 +59,11 @@ def _check(T, K, *, pool=None, ids=None, cfg=mg.Config(), relayout=True):
     ids_r, w = _routing(rng, T, K, pool)
     if ids is not None:
         ids_r = jnp.asarray(ids, jnp.int32)
-    ex_k = mg.to_mgpu_layout(ex) if relayout else ex  # checkpoint layout: moe_mgpu converts it itself
+    ex_k = mg.to_mgpu_layout(ex, words=words) if relayout else ex  # checkpoint layout: moe_mgpu converts it
     assert mg.supports(x, ex_k)
     y = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg, interpret=True))(x, ids_r, w, ex_k)
     y_ref = jax.jit(mi.moe_ref)(x, ids_r, w, ex)
-    msg = f"seed={seed} T={T} K={K} cfg={cfg} ids={np.asarray(ids_r).tolist()}"
+    msg = f"seed={seed} T={T} K={K} cfg={cfg} words={words} ids={np.asarray(ids_r).tolist()}"
     assert y.shape == (T, D) and y.dtype == x.dtype, msg
     assert np.all(np.isfinite(np.asarray(y, np.float32))), msg
     assert np.linalg.norm(np.asarray(y_ref, np.float32)) > 0, msg  # a vacuous comparison would pass anything
@@ -101,6 +101,39 @@ def test_non_default_config():
     # 4 groups per step divides neither 10 nor 6 groups (falls back to 2 / 3); 2 stages.  The interpreter
     # waits on every group anyway, so wait_each_group=False only checks that the flag is accepted here
     _check(T=5, K=4, cfg=mg.Config(groups_per_step=4, stages=2, wait_each_group=False))
+
+
+def test_thread_words_layout_all_tokens():
+    # the thread-words weights (decoded with jnp in interpret mode; on the GPU by the inline dequant, whose
+    # register mapping test_thread_words_map pins down)
+    _check(T=16, K=4, words=True)
+
+
+def test_thread_words_layout_empty_experts_two_down_tiles():
+    _check(T=5, K=2, pool=[1, 3, 4], words=True, cfg=mg.Config(down_tiles=2, groups_per_step=4))
+
+
+def test_thread_words_map():
+    """Word 2 t + h of a tile holds, at bits 4 (j + 4 e), the nibble q + 8 of row 16 w + 8 h + i, column
+    8 j + 2 c + e (t = 32 w + 4 i + c): the element of register (j, h) half e of thread t in Mosaic's WGMMA
+    layout, which is what the GPU dequant returns for it."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    assert fa.WGMMA_LAYOUT.registers_shape((64, 32)) == (1, 4, 1, 1, 2, 1, 1, 1, 1)  # [col tile j, row half h]
+    rng = np.random.default_rng(_seed())
+    q = rng.integers(-8, 8, size=(2, 64, 32))
+    words = np.asarray(mg._tile_words(jnp.asarray(q, jnp.int8))).view(np.uint32)
+    assert words.shape == (2, 256)
+    for t in range(128):
+        w, lane = divmod(t, 32)
+        i, c = divmod(lane, 4)
+        for h in range(2):
+            for j in range(4):
+                pair = (words[:, 2 * t + h] >> np.uint32(4 * j)) & np.uint32(0x000F000F)
+                r = 16 * w + 8 * h + i
+                np.testing.assert_array_equal(pair & 0xF, q[:, r, 8 * j + 2 * c] + 8)
+                np.testing.assert_array_equal(pair >> 16, q[:, r, 8 * j + 2 * c + 1] + 8)
+    np.testing.assert_array_equal(np.asarray(mg._words_tile(jnp.asarray(words.view(np.int32)))), q)
 
 
 def test_routing_marks_duplicates_and_spreads_weights():
@@ -166,15 +199,19 @@ def test_seventeen_tokens_refused():
             mg.moe_mgpu(x17, ids, w, experts, interpret=True)
 
 
-@pytest.mark.parametrize("cfg", [mg.Config(), mg.Config(wait_each_group=False), mg.Config(down_tiles=2),
-                                 mg.Config(vector_loads=True)], ids=["default", "nowait", "d2", "vec"])
-def test_gpu_lowering_at_kimi_width(cfg):
+@pytest.mark.parametrize("cfg,words", [(mg.Config(), False), (mg.Config(wait_each_group=False), False),
+                                       (mg.Config(down_tiles=2), False), (mg.Config(vector_loads=True), False),
+                                       (mg.Config(), True), (mg.Config(down_tiles=2), True)],
+                         ids=["default", "nowait", "d2", "vec", "words", "words_d2"])
+def test_gpu_lowering_at_kimi_width(cfg, words):
     """The GPU path (which interpret mode never runs: registers-operand wgmma, the vector-load relayout)
     lowers for CUDA on this CPU host, Mosaic's layout inference included, at full Kimi width."""
     S = jax.ShapeDtypeStruct
     E_, D_, F_ = 384, 7168, 2048
     ex = {"gu_q": S((E_, F_ // 64, D_ // 32, 128, 32), jnp.int4), "gu_s": S((E_, F_ // 64, D_ // 32, 128), jnp.bfloat16),
           "dn_q": S((E_, D_ // 64, F_ // 32, 64, 32), jnp.int4), "dn_s": S((E_, D_ // 64, F_ // 32, 64), jnp.bfloat16)}
+    if words:
+        ex.update(gu_q=S((E_, F_ // 64, D_ // 32, 2, 256), jnp.int32), dn_q=S((E_, D_ // 64, F_ // 32, 256), jnp.int32))
     for T in (1, 16):
         args = (S((T, D_), jnp.bfloat16), S((T, 8), jnp.int32), S((T, 8), jnp.float32), ex)
         text = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg)).trace(*args).lower(
