@@ -76,16 +76,16 @@ def compile_for_gpu(fn, *args, static_argnums=()):
 
 
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*[^=]*?\s([a-z][\w\-]*)\(")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^()]*\)|\S+)\s+([a-z][\w\-]*)\(")
 _CALLS = re.compile(r"(?:body|condition|to_apply|calls|branch_computations|true_computation|"
-                    r"false_computation)=\{?%?([\w.\-, %]+)\}?")
+                    r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 
 
-def launches(hlo: str) -> list[tuple[str, str, str]]:
+def launches(hlo: str, in_loop: bool = False) -> list[tuple[str, str, str]]:
     """The launches of a compiled (scheduled) HLO module in order, as (kind, instruction name, op_name
     metadata), walking the entry computation and the computations it runs through while / conditional /
     call (command-buffer calls included; a fusion is one launch, its body is not entered). A while body is
-    walked once (one iteration)."""
+    walked once (one iteration). in_loop: only the launches inside while loops (per iteration)."""
     comps, cur = {}, None
     entry = None
     for line in hlo.splitlines():
@@ -100,11 +100,11 @@ def launches(hlo: str) -> list[tuple[str, str, str]]:
             cur = None
             continue
         if cur is not None:
-            comps[cur].append(line)
+            comps[cur].append(re.sub(r"/\*.*?\*/", "", line))
     out: list[tuple[str, str, str]] = []
     seen = set()
 
-    def walk(name):
+    def walk(name, loop=False):
         if name in seen or name not in comps:
             return
         seen.add(name)
@@ -115,8 +115,10 @@ def launches(hlo: str) -> list[tuple[str, str, str]]:
             op = m.group(1)
             if op in ("while", "conditional", "call"):
                 for grp in _CALLS.findall(line):
-                    for callee in grp.replace("%", "").split(","):
-                        walk(callee.strip())
+                    for callee in grp.strip("{}").replace("%", "").split(","):
+                        walk(callee.strip(), loop or op == "while")
+                continue
+            if in_loop and not loop:
                 continue
             if op in _FREE:
                 continue
@@ -135,9 +137,9 @@ def launches(hlo: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def count_kernels(hlo: str) -> dict:
+def count_kernels(hlo: str, in_loop: bool = False) -> dict:
     """Launches per kind (see `launches`)."""
-    return dict(collections.Counter(k for k, _, _ in launches(hlo)).most_common())
+    return dict(collections.Counter(k for k, _, _ in launches(hlo, in_loop)).most_common())
 
 
 def mosaic_sass(compile_fn, workdir: str) -> dict[str, dict]:
@@ -228,6 +230,38 @@ def _attn(T: int, L: int, impl: str):
                                                                          absorbed=True), p, x, pos, cache, lens, mask)
 
 
+def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla"):
+    """The Engine's chunk program (`rounds` decode rounds in the device loop) for the embedded default's shapes
+    (SmolLM2-135M in float32 + a drafter with the committed drafter's config, random weights), with the GPU's
+    attention kernel, as scripts/profile_round.py runs it. The start state is made on the CPU (reference
+    attention); the compiled program gets an identical target except for the kernel choice."""
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    import kimijax
+    from kimijax.defaults import smollm2_drafter_dir
+    from kimijax.models.drafter import DrafterConfig, random_drafter
+    from kimijax.models.llama import SMOLLM2_135M, random_llama_target
+
+    target = random_llama_target(dataclasses.replace(SMOLLM2_135M, dtype="float32"), attn_impl="xla")
+    hf = json.loads((smollm2_drafter_dir() / "config.json").read_text())
+    drafter = random_drafter(DrafterConfig.from_hf(hf, dtype="float32"), target) if method != "ar" else None
+
+    def engine(t):
+        return kimijax.Engine(t, drafter, method=method, budget=max(budget, 1), chunk_rounds=rounds)
+
+    eng = engine(target)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, target.vocab_size, prompt_len).tolist() for _ in range(C)]
+    _, st = eng.start(prompts, max_new_tokens=rounds * eng.tokens_per_round + 1, stop_ids=[])
+    gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl))
+    dparams = None if drafter is None else drafter.params
+    return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
+                           static_argnums=(4, 5))
+
+
 def main(argv=None) -> int:
     import argparse
     import sys
@@ -235,7 +269,10 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["kernels", "sass"])
-    ap.add_argument("--what", default="moe", choices=["moe", "attn"])
+    ap.add_argument("--what", default="moe", choices=["moe", "attn", "round"])
+    ap.add_argument("--method", default="ddtree:16", help="round: ar, dflash or ddtree:N")
+    ap.add_argument("--concurrency", type=int, default=1, help="round: batch rows")
+    ap.add_argument("--mlp-impl", default="xla", help="round: the target's MLP (xla or pallas)")
     ap.add_argument("--impl", default="pallas", help="attn: tree attention impl (pallas, xla, auto)")
     ap.add_argument("--context", type=int, default=4096, help="attn: cache slots L")
     ap.add_argument("--list", action="store_true", help="print every launch with its op_name")
@@ -256,9 +293,19 @@ def main(argv=None) -> int:
         return 0
     if args.what == "moe":
         c = _moe(args.tokens, args.backend, words=args.words)
-    else:
+    elif args.what == "attn":
         c = _attn(args.tokens, args.context, args.impl)
+    else:
+        name, _, b = args.method.partition(":")
+        c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl)
     hlo = c.as_text()
+    if args.what == "round":  # per stage of the round, as scripts/profile_round.py groups them
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from profile_round import scope_key
+        per = launches(hlo, in_loop=True)
+        by = collections.Counter(scope_key(meta, 2)[0] if meta else "(no op_name)" for _, _, meta in per)
+        print(f"{len(per)} launches per round (the device loop's body, one round); per stage: "
+              + ", ".join(f"{k} {v}" for k, v in by.most_common()))
     if args.list:
         for kind, name, meta in launches(hlo):
             print(f"{kind:32s} {name:40s} {meta[-110:]}")

@@ -58,28 +58,28 @@ def walk(tree: Tree, choices_N, max_depth: int | None = None):
 
     Returns (path [L+1] int32 node indices, root first, padded with -1; n_accepted int32 = number of path nodes
     including the root = tau = accepted draft tokens + 1; bonus int32 = choice at the last path node).
+
+    Computed without a sequential walk (a walk of L dependent steps costs ~2 kernel launches per depth on the
+    GPU): an edge parent -> child is taken iff the child's token is the parent's choice, and a node is on the
+    path iff every edge from the root to it is taken, i.e. iff all of its ancestors (tree.ancestor_mask) are
+    taken or the root. Children carry distinct tokens, so at most one child per node is taken and the nodes
+    on the path form one chain, one node per depth.
     """
     L = tree.max_depth if max_depth is None else int(max_depth)
     with jax.named_scope("accept_walk"):
         n1 = tree.tokens.shape[0]
         choices_N = choices_N.astype(jnp.int32)
-        is_node = tree.valid & (jnp.arange(n1) > 0)
-
-        def step(s, carry):
-            path, cur, n, done = carry
-            # Children carry distinct tokens, so at most one matches.
-            match = is_node & (tree.parents == cur) & (tree.tokens == choices_N[cur])
-            move = ~done & jnp.any(match)
-            child = jnp.argmax(match).astype(jnp.int32)
-            path = path.at[s + 1].set(jnp.where(move, child, path[s + 1]))
-            return path, jnp.where(move, child, cur), n + move.astype(jnp.int32), done | ~move
-
-        path0 = jnp.full((L + 1,), -1, jnp.int32).at[0].set(0)
-        # A node at depth L has no children, so L steps always finish the walk.
-        # Unrolled: L is small and static; straight-line code fuses and stays inside one command buffer.
-        path, cur, n, _ = jax.lax.fori_loop(0, L, step, (path0, jnp.int32(0), jnp.int32(1), jnp.bool_(False)),
-                                            unroll=True)
-        return path, n, choices_N[cur]
+        idx_N = jnp.arange(n1)
+        is_node = tree.valid & (idx_N > 0)
+        taken_N = is_node & (tree.tokens == choices_N[jnp.clip(tree.parents, 0, n1 - 1)])
+        ok_N = taken_N | (idx_N == 0)
+        on_N = (is_node & jnp.all(ok_N[None, :] | ~tree.ancestor_mask, axis=1)) | (idx_N == 0)
+        # depth d of the chain -> its node (depths beyond the walk's L are never on a path of a valid tree)
+        at_DN = on_N[None, :] & (tree.depths[None, :] == jnp.arange(L + 1)[:, None])
+        path = jnp.where(jnp.any(at_DN, axis=1), jnp.argmax(at_DN, axis=1), -1).astype(jnp.int32)
+        n = jnp.sum(on_N & ((tree.depths <= L) | (idx_N == 0))).astype(jnp.int32)
+        last = path[jnp.clip(n - 1, 0, L)]
+        return path, n, choices_N[last]
 
 
 class Emitted(NamedTuple):
