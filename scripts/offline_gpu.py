@@ -85,7 +85,9 @@ def launches(hlo: str, in_loop: bool = False) -> list[tuple[str, str, str]]:
     """The launches of a compiled (scheduled) HLO module in order, as (kind, instruction name, op_name
     metadata), walking the entry computation and the computations it runs through while / conditional /
     call (command-buffer calls included; a fusion is one launch, its body is not entered). A while body is
-    walked once (one iteration). in_loop: only the launches inside while loops (per iteration)."""
+    walked once (one iteration); every branch of a conditional is walked, so counts under a conditional
+    (e.g. the sampler's greedy / sampling branches) are an upper bound. in_loop: only the launches inside
+    while loops (per iteration)."""
     comps, cur = {}, None
     entry = None
     for line in hlo.splitlines():
