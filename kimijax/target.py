@@ -25,23 +25,16 @@ def gather_rows(x_BT, idx_B):
     return x_BT[jnp.arange(x_BT.shape[0]), idx_B]
 
 
-def compact_caches(caches, lengths_B, path_BP, n_B):
+def compact_caches(caches, lengths_B, path_BP, n_B, impl: str = "xla"):
     """Move accepted tree rows to the committed slots: slot S+path[j] -> S+j for j < n.
 
     path is strictly increasing with path[j] >= j, so reading every source row before writing is safe.
-    Rows j >= n are written back unchanged (static shapes).
+    Rows j >= n are left unchanged. impl "xla": one fusion per cache; "pallas" / "interpret": one kernel for
+    all caches (pallas_kernels/row_move.py).
     """
-    P = path_BP.shape[1]
-    j_P = jnp.arange(P, dtype=jnp.int32)
-    src_BP = lengths_B[:, None] + jnp.where(j_P[None] < n_B[:, None], path_BP, j_P[None])
-    dst_BP = lengths_B[:, None] + j_P[None]
+    from pallas_kernels.row_move import move_rows
 
-    def one(c):
-        rows = jnp.take_along_axis(c, src_BP.reshape(src_BP.shape + (1,) * (c.ndim - 2)), axis=1)
-        return jax.vmap(lambda cb, rb, s: jax.lax.dynamic_update_slice_in_dim(cb, rb, s, axis=0))(
-            c, rows, dst_BP[:, 0])
-
-    return [one(c) for c in caches]
+    return move_rows(caches, lengths_B[:, None] + path_BP, lengths_B, n_B, impl)
 
 
 @dataclasses.dataclass

@@ -232,7 +232,8 @@ def _attn(T: int, L: int, impl: str):
                                                                          absorbed=True), p, x, pos, cache, lens, mask)
 
 
-def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla"):
+def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",
+           commit_impl: str = "xla"):
     """The Engine's chunk program (`rounds` decode rounds in the device loop) for the embedded default's shapes
     (SmolLM2-135M in float32 + a drafter with the committed drafter's config, random weights), with the GPU's
     attention kernel, as scripts/profile_round.py runs it. The start state is made on the CPU (reference
@@ -260,8 +261,13 @@ def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int 
     _, st = eng.start(prompts, max_new_tokens=rounds * eng.tokens_per_round + 1, stop_ids=[])
     gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl))
     dparams = None if drafter is None else drafter.params
-    return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
-                           static_argnums=(4, 5))
+    from kimijax.spec import round as spec_round
+    spec_round.commit_impl, old = commit_impl, spec_round.commit_impl
+    try:
+        return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
+                               static_argnums=(4, 5))
+    finally:
+        spec_round.commit_impl = old
 
 
 def main(argv=None) -> int:
@@ -275,6 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="ddtree:16", help="round: ar, dflash or ddtree:N")
     ap.add_argument("--concurrency", type=int, default=1, help="round: batch rows")
     ap.add_argument("--mlp-impl", default="xla", help="round: the target's MLP (xla or pallas)")
+    ap.add_argument("--commit-impl", default="xla", help="round: the cache commit (xla or pallas)")
     ap.add_argument("--impl", default="pallas", help="attn: tree attention impl (pallas, xla, auto)")
     ap.add_argument("--context", type=int, default=4096, help="attn: cache slots L")
     ap.add_argument("--list", action="store_true", help="print every launch with its op_name")
@@ -299,7 +306,7 @@ def main(argv=None) -> int:
         c = _attn(args.tokens, args.context, args.impl)
     else:
         name, _, b = args.method.partition(":")
-        c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl)
+        c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, commit_impl=args.commit_impl)
     hlo = c.as_text()
     if args.what == "round":  # per stage of the round, as scripts/profile_round.py groups them
         sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -196,3 +196,20 @@ def test_draft_window_ring_cache_equals_full_cache(setup, monkeypatch):
         ring = d.extend_context(d.params, ring, rows, S)
         full = d.extend_context(d.params, full, rows, S)
         S = S + jnp.asarray(rng.integers(1, r.max_commit + 1, size=2), jnp.int32)
+
+
+def test_one_kernel_commit_is_lossless(setup, monkeypatch):
+    """The commit's cache compaction as one kernel for all layers (pallas_kernels/row_move.py, interpret mode)
+    with an oracle drafter, so deep paths and side branches are moved: same tokens as AR."""
+    from kimijax.spec import round as spec_round
+
+    target, d, prompts = setup
+    ar = Engine(target).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
+    seqs = np.zeros((2, 64), np.int32)
+    for b, (p, r) in enumerate(zip(prompts, ar)):
+        seqs[b, : len(p) + len(r.tokens)] = p + r.tokens
+    monkeypatch.setattr(spec_round, "commit_impl", "interpret")
+    oracle = OracleDrafter(d, seqs, noise=2.5)  # a new drafter object: its own compiled programs
+    res = Engine(target, oracle, method="ddtree", budget=6).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
+    assert [r.tokens for r in res] == [a.tokens for a in ar]
+    assert max(x for r in res for x in r.acceptance_lengths) > 2

@@ -18,6 +18,11 @@ import jax.numpy as jnp
 from kimijax.spec import accept, ddtree
 from kimijax.target import compact_caches
 
+# The commit's cache compaction: "xla" (one fusion per layer cache) or "pallas" (all caches in one kernel,
+# pallas_kernels/row_move.py; 29 fewer launches per SmolLM2 round, 60 per Kimi round, counted offline). XLA
+# until a GPU run measures the kernel: scripts/profile_round.py --commit-impl pallas.
+commit_impl = "xla"
+
 
 class SpecRound:
     def __init__(self, target, drafter, method: str, budget: int, topk_cap: int | None, draft_window: int | None):
@@ -110,7 +115,7 @@ class SpecRound:
             j_P = jnp.arange(path_BP.shape[1])
         with jax.named_scope("commit"):
             live_B = ~st["done"]
-            caches = compact_caches(caches, S_B, path_BP, n_B)
+            caches = compact_caches(caches, S_B, path_BP, n_B, commit_impl)
             feats = jnp.take_along_axis(cap_nBND, path_BP[None, :, :, None], axis=2)
             rows = dr.context_kv(dparams, feats, S_B[:, None] + j_P[None])
             st["dcache"] = dr.append_context(st["dcache"], rows, S_B)
