@@ -25,8 +25,18 @@ columns cost MMA slots, not bytes):
 Each used expert's weights are read from HBM once per call.  Dequantisation is bf16(q * s), the reference's
 rounding; products accumulate in f32.
 
+Thread-words layout (`to_mgpu_layout(words=True)`, the fast one): the same bytes permuted per [64, 32] tile so
+that each thread's 16 values sit in two 32-bit words whose nibbles unpack straight into its wgmma register
+pairs (one 8-byte load, then shift / lop3 / sub / scale per pair in inline PTX): 654 instead of 928
+instructions per gate/up pipeline step (offline SASS), which is what limits this kernel.
+
+Measured (BENCHMARKS.md "INT4 MoE as Mosaic GPU kernels", NVIDIA H100, kernel time): with thread words
+T=1 95.0 us vs the Triton kernel's 107.3, T=4 313.5 vs 338.8, T=9 628.4 vs 654.6, T=16 1006.5 vs 1103.7;
+with int4 tiles 1.5-1.7x slower than Triton. Not wired into the model: it has no T > 16 path yet.
+
 Interpret mode (CPU tests): Mosaic GPU's interpreter only takes wgmma operands from shared memory, so
-there the dequantised tile goes through a shared-memory scratch; on the GPU it stays in registers.
+there the dequantised tile goes through a shared-memory scratch (thread words are decoded with jnp); on
+the GPU it stays in registers.
 """
 
 from __future__ import annotations
