@@ -7,8 +7,9 @@ Set-up (a separate venv: the CUDA plugin must not be in the one the tests use), 
   cp -a .venv /tmp/gvenv     # or any py3.12 venv with kimijax's requirements
   /tmp/gvenv/bin/python -m pip install "jax-cuda13-plugin[with-cuda]==0.11.2" nvidia-cuda-nvdisasm
 
-This script skips the plugin's version checks (they need a driver); the plugin then fails to make a GPU client (no driver), jax falls back to the CPU backend, and XLA's GPU
-compiler still runs for a topology built from a target description (`h200_target.txtpb`, written from the
+This script skips the plugin's version checks (they need a driver); the plugin then fails to make a GPU
+client (no driver), jax falls back to the CPU backend, and XLA's GPU compiler still runs for a topology
+built from a target description (`h200_target.txtpb`, written from the
 H200's public specifications; the compiler reads its compute capability, SM count, shared memory and
 bandwidth). Without a device XLA does not autotune, so GEMM algorithm choices can differ from the device's;
 fusion decisions and kernel counts do not depend on autotuning except for GEMM fusions.
@@ -16,6 +17,7 @@ fusion decisions and kernel counts do not depend on autotuning except for GEMM f
   python scripts/offline_gpu.py kernels --what moe --tokens 1            # a compiled program's launches
   python scripts/offline_gpu.py kernels --what attn --tokens 1 --list     # the MLA block, launch by launch
   python scripts/offline_gpu.py sass --words [--config vector_loads=1]    # Mosaic GPU MoE: SASS + main loop
+  python scripts/offline_gpu.py kernels --what round --method ddtree:16 [--commit-impl pallas]   # per round
 
 (PYTHONPATH=. and the side venv's python.) Measured this way (2026-12-07): the MLA block at T=1 over a 4k
 cache is 20 launches (the GPU profile of 2026-12-04 counted 19); one gate/up pipeline step of the Mosaic
