@@ -185,18 +185,52 @@ def test_layout_keeps_the_bytes():
                                       np.asarray(dequantize(packed, scale), np.float32), err_msg=name)
 
 
-def test_seventeen_tokens_refused():
+def test_sixty_five_tokens_refused():
     rng = np.random.default_rng(_seed())
     ex = _experts(rng)
     lay = mg.to_mgpu_layout(ex)
-    x16 = jnp.asarray(rng.normal(size=(16, D)), jnp.bfloat16)
-    x17 = jnp.asarray(rng.normal(size=(17, D)), jnp.bfloat16)
-    ids, w = _routing(rng, 17, 2)
-    assert mg.supports(x16, lay) and mg.supports(x16, ex)
-    assert not mg.supports(x17, lay) and not mg.supports(x17, ex)
+    x64 = jnp.asarray(rng.normal(size=(64, D)), jnp.bfloat16)
+    x65 = jnp.asarray(rng.normal(size=(65, D)), jnp.bfloat16)
+    ids, w = _routing(rng, 65, 2)
+    assert mg.supports(x64, lay) and mg.supports(x64, ex)
+    assert not mg.supports(x65, lay) and not mg.supports(x65, ex)
     for experts in (lay, ex):
-        with pytest.raises(ValueError, match="T <= 16"):
-            mg.moe_mgpu(x17, ids, w, experts, interpret=True)
+        with pytest.raises(ValueError, match="T <= 64"):
+            mg.moe_mgpu(x65, ids, w, experts, interpret=True)
+
+
+def test_token_lists_beyond_sixteen_tokens():
+    # 21 tokens: per-slot token lists (each expert's tokens in blocks of 16), thread-words weights
+    _check(T=21, K=3, words=True)
+
+
+def test_token_lists_one_expert_over_several_blocks():
+    # 40 tokens on the same 2 experts: each expert's run spans 3 slots (16 + 16 + 8 tokens); a repeated expert
+    # within a token takes two columns
+    ids = np.tile([[4, 1]], (40, 1))
+    ids[7] = [2, 2]
+    _check(T=40, K=2, ids=ids)
+
+
+def test_routing_sorted_blocks():
+    ids = jnp.asarray([[3, 1], [3, 0], [1, 3]] + [[5, 3]] * 15, jnp.int32)  # expert 3: 18 pairs -> 2 blocks
+    w = jnp.arange(36, dtype=jnp.float32).reshape(18, 2) / 100
+    slot_e, tok, wt = mg.routing_sorted(ids, w, n_experts=6)
+    assert slot_e.shape == (6 + 3,) and tok.shape == wt.shape == (9, 16)
+    e = np.asarray(slot_e)
+    assert e.tolist()[:5] == [0, 1, 3, 3, 5] and (e[5:] == -1).all()
+    # every pair appears once, with its weight, under a slot of its expert
+    seen = {}
+    for s_, ex in enumerate(e):
+        for c in range(16):
+            t = int(tok[s_, c])
+            if t < 18:
+                seen[(t, int(ex))] = seen.get((t, int(ex)), 0.0) + float(wt[s_, c])
+    want = {}
+    for t in range(18):
+        for k in range(2):
+            want[(t, int(ids[t, k]))] = want.get((t, int(ids[t, k])), 0.0) + float(w[t, k])
+    assert seen.keys() == want.keys() and all(abs(seen[k] - want[k]) < 1e-7 for k in want)
 
 
 @pytest.mark.parametrize("cfg,words", [(mg.Config(), False), (mg.Config(wait_each_group=False), False),
@@ -212,7 +246,7 @@ def test_gpu_lowering_at_kimi_width(cfg, words):
           "dn_q": S((E_, D_ // 64, F_ // 32, 64, 32), jnp.int4), "dn_s": S((E_, D_ // 64, F_ // 32, 64), jnp.bfloat16)}
     if words:
         ex.update(gu_q=S((E_, F_ // 64, D_ // 32, 2, 256), jnp.int32), dn_q=S((E_, D_ // 64, F_ // 32, 256), jnp.int32))
-    for T in (1, 16):
+    for T in (1, 16, 33):  # 33: the per-slot token lists
         args = (S((T, D_), jnp.bfloat16), S((T, 8), jnp.int32), S((T, 8), jnp.float32), ex)
         text = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
