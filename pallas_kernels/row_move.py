@@ -11,7 +11,8 @@ pieces of at most `chunk` elements.
 No hazards: the path is strictly increasing with path[j] >= j, so a row's source slot is never an earlier
 row's destination, and rows are copied in order (the reference reads every source row before writing).
 
-Implementations: "xla" `move_rows_ref`; "pallas" the kernel (GPU); "interpret" the kernel on the CPU.
+Implementations: "xla" `move_rows_ref`; "pallas" the kernel (GPU); "interpret" the kernel on the CPU. The
+round uses "xla" until a GPU run measures the kernel (kimijax/spec/round.py `commit_impl`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ from jax.experimental import pallas as pl
 
 CHUNK = 128  # row elements per load / store on the GPU at most (pieces are the largest power of two <= 128
 #              dividing the row: 128 for SmolLM2's 384-wide K/V rows, 64 for Kimi's 576-wide latent rows)
-
-
-def default_impl() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def move_rows_ref(caches, src_BP, dst_B, n_B):
@@ -73,7 +70,7 @@ def move_rows_pallas(caches, src_BP, dst_B, n_B, *, interpret: bool = False, chu
                         ref[b, d0 + j, pl.ds(c0, w)] = ref[b, s, pl.ds(c0, w)]
                     return carry
 
-                lax.fori_loop(0, n, row, 0)
+                lax.fori_loop(0, jnp.minimum(n, P), row, 0)
 
     out = pl.pallas_call(
         kernel,
@@ -95,4 +92,4 @@ def move_rows(caches, src_BP, dst_B, n_B, impl: str = "xla"):
     raise ValueError(f"unknown move_rows impl {impl!r}: choose xla, pallas or interpret")
 
 
-__all__ = ["move_rows", "move_rows_pallas", "move_rows_ref", "default_impl"]
+__all__ = ["move_rows", "move_rows_pallas", "move_rows_ref"]
