@@ -50,6 +50,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -105,7 +106,7 @@ def _one_expert(gp, gs, up, us, dp, ds):
 # tile, rows 16 w + i + 8 h (h = 0, 1) and columns 8 j + 2 c + e (j = 0..3, e = 0, 1) as bf16 pairs (e = 0
 # low half) in register (j, h) of Mosaic's WGMMA layout. Word (t, h) puts the nibble (q + 8) of column
 # 8 j + 2 c + e at bits 4 (j + 4 e): `(word >> 4 j) & 0x000F000F` is then register (j, h)'s pair of nibbles.
-_J_E_SHIFT = 4 * (jnp.arange(4)[:, None] + 4 * jnp.arange(2)[None, :])  # [j, e]
+_J_E_SHIFT = 4 * (np.arange(4)[:, None] + 4 * np.arange(2)[None, :]).astype(np.uint32)  # [j, e]
 
 
 def _permute_last6(a, perm):
@@ -117,7 +118,7 @@ def _tile_words(q):
     """int q [..., 64, 32] (-8..7) -> int32 [..., 256]: word 2 t + h of thread t (layout above)."""
     nib = (q.astype(jnp.int32) + 8).reshape(*q.shape[:-2], 4, 2, 8, 4, 4, 2)  # [w, h, i, j, c, e]
     nib = _permute_last6(nib, (0, 2, 4, 1, 3, 5))  # -> [w, i, c, h, j, e]
-    words = jnp.sum(nib.astype(jnp.uint32) << _J_E_SHIFT.astype(jnp.uint32), axis=(-2, -1), dtype=jnp.uint32)
+    words = jnp.sum(nib.astype(jnp.uint32) << _J_E_SHIFT, axis=(-2, -1), dtype=jnp.uint32)
     return lax.bitcast_convert_type(words, jnp.int32).reshape(*q.shape[:-2], 256)
 
 
@@ -175,7 +176,6 @@ def _words_dequant():
     """inline Mosaic GPU: a thread-words tile ref [256] int32 in shared memory -> its int4 values q as a bf16
     [64, 32] array in the WGMMA layout. Per thread: one 8-byte load, then per register pair a shift, an
     and-or onto the exponent of 128 (bf16 128 + nibble: exact) and a subtraction of 136 (= q, exact)."""
-    import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic import gpu as mgpu
