@@ -55,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe_layout import _nibbles
+from pallas_kernels.moe_layout import _nibbles, checkpoint_shapes
 
 NB = 16  # token columns (wgmma N; bf16 B tiles need >= 16 columns)
 BM = 64  # weight rows per wgmma (M)
@@ -95,11 +95,16 @@ def _blocks(q_OI, s_OG):
 
 
 def _one_expert(gp, gs, up, us, dp, ds):
+    """One expert's int8 q blocks (gate rows then up rows per block) and scales; the layouts cast / pack them."""
     gq, gsb = _blocks(_signed(gp), gs)
     uq, usb = _blocks(_signed(up), us)
     dq, dsb = _blocks(_signed(dp), ds)
-    return (jnp.concatenate([gq, uq], axis=2).astype(jnp.int4), jnp.concatenate([gsb, usb], axis=2),
-            dq.astype(jnp.int4), dsb)
+    return jnp.concatenate([gq, uq], axis=2), jnp.concatenate([gsb, usb], axis=2), dq, dsb
+
+
+def _one_expert_tiles(*args):
+    gq, gu_s, dq, dn_s = _one_expert(*args)
+    return gq.astype(jnp.int4), gu_s, dq.astype(jnp.int4), dn_s
 
 
 # The thread words: thread t = 32 w + 4 i + c of the warpgroup holds, for the wgmma A operand of a [64, 32]
@@ -133,8 +138,8 @@ def _words_tile(words):
 
 def _one_expert_words(gp, gs, up, us, dp, ds):
     gq, gu_s, dq, dn_s = _one_expert(gp, gs, up, us, dp, ds)
-    gq = gq.astype(jnp.int8).reshape(*gq.shape[:2], 2, BM, GROUP)  # [F/64, D/32, gate|up, 64, 32]
-    return _tile_words(gq), gu_s, _tile_words(dq.astype(jnp.int8)), dn_s
+    gq = gq.reshape(*gq.shape[:2], 2, BM, GROUP)  # [F/64, D/32, gate|up, 64, 32]
+    return _tile_words(gq), gu_s, _tile_words(dq), dn_s
 
 
 def to_mgpu_layout(experts: dict, words: bool = False) -> dict:
@@ -143,8 +148,13 @@ def to_mgpu_layout(experts: dict, words: bool = False) -> dict:
     thread words (gu_q int32 [E, F/64, D/32, 2, 256], dn_q int32 [E, D/64, F/32, 256]; same bytes)."""
     ins = tuple(experts[k] for k in ("gate_packed", "gate_scale", "up_packed", "up_scale",
                                       "down_packed", "down_scale"))
-    gu_q, gu_s, dn_q, dn_s = lax.map(lambda a: (_one_expert_words if words else _one_expert)(*a), ins)
+    gu_q, gu_s, dn_q, dn_s = lax.map(lambda a: (_one_expert_words if words else _one_expert_tiles)(*a), ins)
     return {"gu_q": gu_q, "gu_s": gu_s.astype(jnp.bfloat16), "dn_q": dn_q, "dn_s": dn_s.astype(jnp.bfloat16)}
+
+
+def layout_shapes(E: int, D: int, F: int, words: bool = False) -> dict:
+    """ShapeDtypeStructs of `to_mgpu_layout`'s output for E experts of width D, F (nothing allocated)."""
+    return jax.eval_shape(functools.partial(to_mgpu_layout, words=words), checkpoint_shapes(E, D, F, GROUP))
 
 
 def supports(x_TD, experts: dict) -> bool:

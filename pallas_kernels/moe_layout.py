@@ -23,6 +23,7 @@ and F (per tensor-parallel shard) divisible by 128.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -31,6 +32,14 @@ from kimijax.quant import dequantize
 SB = 128  # inputs per INT4 superblock (16 words, 4 planes = 4 scale groups of 32)
 _CKPT_KEYS = ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale")
 _PLANAR_KEYS = ("gate_planar", "gate_scale_t", "up_planar", "up_scale_t", "down_planar", "down_scale_t")
+
+
+def checkpoint_shapes(E: int, D: int, F: int, group: int = 32) -> dict:
+    """ShapeDtypeStructs of E INT4 experts of width D, F in the checkpoint layout (for eval_shape / lowering)."""
+    S = jax.ShapeDtypeStruct
+    gu = {"packed": S((E, F, D // 8), jnp.int32), "scale": S((E, F, D // group), jnp.bfloat16)}
+    dn = {"packed": S((E, D, F // 8), jnp.int32), "scale": S((E, D, F // group), jnp.bfloat16)}
+    return {f"{n}_{k}": v for n, part in (("gate", gu), ("up", gu), ("down", dn)) for k, v in part.items()}
 
 
 def _pack_nibbles(u8):

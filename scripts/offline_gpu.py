@@ -195,18 +195,13 @@ def _moe(T: int, backend: str, cfg=None, words: bool = False):
     E, D, F, K = 384, 7168, 2048, 8
     S = jax.ShapeDtypeStruct
     x, ids, w = S((T, D), jnp.bfloat16), S((T, K), jnp.int32), S((T, K), jnp.float32)
+    from pallas_kernels.moe_int4_mgpu import Config, layout_shapes, moe_mgpu
     if backend == "mgpu":
-        from pallas_kernels.moe_int4_mgpu import Config, moe_mgpu
-        ex = {"gu_q": S((E, F // 64, D // 32, 128, 32), jnp.int4), "gu_s": S((E, F // 64, D // 32, 128), jnp.bfloat16),
-              "dn_q": S((E, D // 64, F // 32, 64, 32), jnp.int4), "dn_s": S((E, D // 64, F // 32, 64), jnp.bfloat16)}
-        if words:  # the thread-words layout (to_mgpu_layout(words=True))
-            ex.update(gu_q=S((E, F // 64, D // 32, 2, 256), jnp.int32), dn_q=S((E, D // 64, F // 32, 256), jnp.int32))
-        return compile_for_gpu(functools.partial(moe_mgpu, cfg=cfg or Config()), x, ids, w, ex)
+        return compile_for_gpu(functools.partial(moe_mgpu, cfg=cfg or Config()), x, ids, w,
+                               layout_shapes(E, D, F, words))
     from pallas_kernels.moe_int4 import moe
-    words = S((E, F * D // 128, 16), jnp.int32)
-    ex = {"gate_planar": words, "up_planar": words, "down_planar": words,
-          "gate_scale_t": S((E, D // 64, F), jnp.int32), "up_scale_t": S((E, D // 64, F), jnp.int32),
-          "down_scale_t": S((E, F // 64, D), jnp.int32)}
+    from pallas_kernels.moe_layout import checkpoint_shapes, relayout_for_kernel
+    ex = jax.eval_shape(relayout_for_kernel, checkpoint_shapes(E, D, F))
     return compile_for_gpu(lambda *a: moe(*a, impl="pallas"), x, ids, w, ex)
 
 

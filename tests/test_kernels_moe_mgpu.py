@@ -242,10 +242,7 @@ def test_gpu_lowering_at_kimi_width(cfg, words):
     lowers for CUDA on this CPU host, Mosaic's layout inference included, at full Kimi width."""
     S = jax.ShapeDtypeStruct
     E_, D_, F_ = 384, 7168, 2048
-    ex = {"gu_q": S((E_, F_ // 64, D_ // 32, 128, 32), jnp.int4), "gu_s": S((E_, F_ // 64, D_ // 32, 128), jnp.bfloat16),
-          "dn_q": S((E_, D_ // 64, F_ // 32, 64, 32), jnp.int4), "dn_s": S((E_, D_ // 64, F_ // 32, 64), jnp.bfloat16)}
-    if words:
-        ex.update(gu_q=S((E_, F_ // 64, D_ // 32, 2, 256), jnp.int32), dn_q=S((E_, D_ // 64, F_ // 32, 256), jnp.int32))
+    ex = mg.layout_shapes(E_, D_, F_, words)
     for T in (1, 16, 33):  # 33: the per-slot token lists
         args = (S((T, D_), jnp.bfloat16), S((T, 8), jnp.int32), S((T, 8), jnp.float32), ex)
         text = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg)).trace(*args).lower(
