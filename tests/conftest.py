@@ -5,8 +5,21 @@ os.environ.setdefault("KIMIJAX_COMPILE_CACHE", "off")  # in-process CLI tests mu
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses  # noqa: E402
+import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every compiled program after each test module. Each CPU executable holds ~6 memory mappings until
+    jax's caches let it go; the whole suite compiles >10k programs, and past the kernel's vm.max_map_count
+    (65530) mmap fails inside XLA's compiler, which segfaults (CI exit 139 in test_spec.py)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
