@@ -28,6 +28,16 @@ CHUNK = 128  # row elements per load / store on the GPU at most (pieces are the 
 #              dividing the row: 128 for SmolLM2's 384-wide K/V rows, 64 for Kimi's 576-wide latent rows)
 
 
+def write_rows(cache_BL, rows_BT, start_B):
+    """cache[b, start_B[b] + t] = rows[b, t] (dynamic_update_slice semantics per request: a start is clamped so
+    the rows fit). One request is a plain dynamic-update-slice: vmapped, it becomes a scatter, which XLA turns
+    back into an update-slice guarded by a read of the old rows, one more launch per cache (offline count)."""
+    rows_BT = rows_BT.astype(cache_BL.dtype)
+    if cache_BL.shape[0] == 1:
+        return lax.dynamic_update_slice_in_dim(cache_BL, rows_BT, start_B[0], axis=1)
+    return jax.vmap(lambda c, r, s: lax.dynamic_update_slice_in_dim(c, r, s, axis=0))(cache_BL, rows_BT, start_B)
+
+
 def move_rows_ref(caches, src_BP, dst_B, n_B):
     """XLA reference: caches[l][b, dst_B[b] + j] = caches[l][b, src_BP[b, j]] for j < n_B[b]; rows j >= n_B[b]
     are rewritten unchanged (static shapes). src must be increasing with src[b, j] >= dst[b] + j."""
@@ -38,7 +48,7 @@ def move_rows_ref(caches, src_BP, dst_B, n_B):
 
     def one(c):
         rows = jnp.take_along_axis(c, src_BP.reshape(src_BP.shape + (1,) * (c.ndim - 2)), axis=1)
-        return jax.vmap(lambda cb, rb, s: lax.dynamic_update_slice_in_dim(cb, rb, s, axis=0))(c, rows, dst_B)
+        return write_rows(c, rows, dst_B)
 
     return [one(c) for c in caches]
 

@@ -20,8 +20,10 @@ fusion decisions and kernel counts do not depend on autotuning except for GEMM f
   python scripts/offline_gpu.py kernels --what round --method ddtree:16 [--commit-impl pallas]   # per round
 
 (PYTHONPATH=. and the side venv's python.) Measured this way (2026-12-07): the MLA block at T=1 over a 4k
-cache is 20 launches (the GPU profile of 2026-12-04 counted 19); one gate/up pipeline step of the Mosaic
-GPU MoE is 928 instructions per warp with int4 tiles, 848 with vector loads, 654 with thread words.
+cache (donated, as in the model) was 19 launches, as the GPU profile of 2026-12-04 counted, and is 18 since
+one request's cache write is a plain update-slice (pallas_kernels/row_move.write_rows); one gate/up pipeline
+step of the Mosaic GPU MoE is 928 instructions per warp with int4 tiles, 848 with vector loads, 654 with
+thread words.
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ def abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)
 
 
-def compile_for_gpu(fn, *args, static_argnums=()):
+def compile_for_gpu(fn, *args, static_argnums=(), donate_argnums=()):
     """-> the compiled executable of jit(fn) for the pretend H200 (args: arrays or ShapeDtypeStructs). Pallas
-    Triton kernels lower with the H200's GPU info (their lowering asks the local GPU otherwise)."""
+    Triton kernels lower with the H200's GPU info (their lowering asks the local GPU otherwise). Donate what
+    the real program donates (caches): an undonated buffer updated in place costs a copy launch."""
     import jax
     from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
 
@@ -71,7 +74,8 @@ def compile_for_gpu(fn, *args, static_argnums=()):
     info = reg.gpu_info_lib.get_gpu_info
     reg.gpu_info_lib.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
     try:
-        lowered = jax.jit(fn, static_argnums=static_argnums).trace(*dyn).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(fn, static_argnums=static_argnums, donate_argnums=donate_argnums).trace(*dyn).lower(
+            lowering_platforms=("cuda",))
     finally:
         reg.gpu_info_lib.get_gpu_info = info
     return lowered.compile()
@@ -226,7 +230,8 @@ def _attn(T: int, L: int, impl: str):
     p = meta.unbox(p)
     mask = causal_tree_mask(1, T)
     return compile_for_gpu(lambda p, x, pos, cache, lens, mask: mla.apply({"params": p}, x, pos, cache, lens, mask,
-                                                                         absorbed=True), p, x, pos, cache, lens, mask)
+                                                                         absorbed=True), p, x, pos, cache, lens, mask,
+                           donate_argnums=(3,))
 
 
 def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",

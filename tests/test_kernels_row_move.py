@@ -76,3 +76,21 @@ def test_lowers_for_the_gpu():
     ir = triton_ir(lambda c, s, d, n: rm.move_rows_pallas(c, s, d, n), [S((4, 512, 576), jnp.bfloat16)] * 3,
                    S((4, 9), jnp.int32), S((4,), jnp.int32), S((4,), jnp.int32))
     assert list(ir) == ["move_rows"]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_write_rows_is_a_per_request_update_slice(B):
+    """The model's cache write: one request takes the plain update-slice path, several the vmapped one; both
+    are dynamic_update_slice per request (a start past the end is clamped so the rows fit)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    L, T = 40, 7
+    cache = jnp.asarray(rng.normal(size=(B, L, 2, 3)), jnp.bfloat16)
+    rows = jnp.asarray(rng.normal(size=(B, T, 2, 3)), jnp.float32)
+    for start in (rng.integers(0, L - T + 1, size=B), np.full(B, L - 2)):
+        start = jnp.asarray(start, jnp.int32)
+        want = jnp.stack([jax.lax.dynamic_update_slice_in_dim(cache[b], rows[b].astype(cache.dtype), start[b], 0)
+                          for b in range(B)])
+        got = jax.jit(rm.write_rows)(cache, rows, start)
+        assert got.dtype == cache.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=f"seed {seed}")

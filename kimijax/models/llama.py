@@ -29,6 +29,7 @@ from kimijax.models.common import (MLP, RMSNorm, apply_rope_half, causal_rows, c
                                    param, rope_cos_sin)
 from kimijax.target import gather_rows
 from pallas_kernels.gqa_attention import gqa_tree_attention, kernel_supports
+from pallas_kernels.row_move import write_rows
 from pallas_kernels.tree_attention import visibility_mask
 
 _DTYPES = ("bfloat16", "float32", "float16")
@@ -86,12 +87,6 @@ SMOLLM2_135M = LlamaConfig()
 TINY_LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
                          max_position_embeddings=1024, eos_token_ids=(2,), dtype="float32")
-
-
-def write_kv(cache_BL2ke, rows_BT2ke, start_B):
-    """Write T rows per request at slots start_b .. start_b+T-1 (capacity is checked by the engine)."""
-    return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r.astype(c.dtype), s, axis=0))(
-        cache_BL2ke, rows_BT2ke, start_B)
 
 
 def matmul_precision(dtype):
@@ -153,7 +148,7 @@ class LlamaAttention(nn.Module):
                                 sin[:, :, None])
             v = jnp.einsum("btd,ked->btke", x_BTD, w_v, precision=pr)
         if cache is not None:
-            cache = write_kv(cache, jnp.stack([k, v], axis=2), lengths_B)
+            cache = write_rows(cache, jnp.stack([k, v], axis=2), lengths_B)  # capacity: checked by the engine
         with jax.named_scope("attn"):
             if from_cache:  # the committed prefix plus this pass's rows, as written above
                 if tree_mask_BTT is None:
@@ -390,5 +385,5 @@ def random_llama_target(cfg: LlamaConfig = TINY_LLAMA, seed: int = 0, tokenizer=
                        random_weights=True, source="random", attn_impl=attn_impl, mlp_impl=mlp_impl)
 
 
-__all__ = ["LlamaConfig", "Llama", "LlamaTarget", "SMOLLM2_135M", "TINY_LLAMA", "gqa_attention", "write_kv",
+__all__ = ["LlamaConfig", "Llama", "LlamaTarget", "SMOLLM2_135M", "TINY_LLAMA", "gqa_attention",
            "abstract_llama_params", "random_llama_params", "random_llama_target"]

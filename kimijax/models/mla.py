@@ -18,13 +18,8 @@ import jax.numpy as jnp
 from kimijax.config import KimiConfig
 from kimijax.models.common import (apply_rope_interleaved, causal_rows, in_query_chunks, param, rms_norm,
                                    rope_cos_sin, yarn_inv_freq)
+from pallas_kernels.row_move import write_rows
 from pallas_kernels.tree_attention import tree_attention
-
-
-def write_cache(cache_BLC, rows_BTC, start_B):
-    """Write T rows per request at slots start_b .. start_b+T-1 (capacity is checked on the host)."""
-    return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (s, 0)))(
-        cache_BLC, rows_BTC, start_B)
 
 
 def naive_attention(q_nope_BTHN, q_pe_BTHR, k_nope_BSHN, k_pe_BSR, v_BSHV, mask_BTS, scale: float, dt):
@@ -79,7 +74,7 @@ class MLA(nn.Module):
             rows_BTC = jnp.concatenate([ckv_BTK, k_pe_BTR], axis=-1)
 
         if cache_BLC is not None:
-            cache_BLC = write_cache(cache_BLC, rows_BTC, lengths_B)
+            cache_BLC = write_rows(cache_BLC, rows_BTC, lengths_B)  # capacity: checked on the host
 
         scale = c.softmax_scale
         w_uk_HNK, w_uv_HVK = w_kvb_HMK[:, :N], w_kvb_HMK[:, N:]
