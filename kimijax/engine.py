@@ -26,6 +26,12 @@ MAX_STOP_IDS = 8
 _PROGRAMS_ATTR = "_kimijax_engine_programs"
 
 
+def drop_programs(target) -> None:
+    """Forget the compiled programs that engines keep on `target` (a later Engine compiles them again): frees
+    their device code in a long-lived process that has moved on to other shapes or settings."""
+    target.__dict__.pop(_PROGRAMS_ATTR, None)
+
+
 class EngineError(ValueError):
     """Bad request: empty or over-long prompt, invalid sampling or tree parameters, cache exhaustion."""
 

@@ -14,11 +14,19 @@ import pytest  # noqa: E402
 def _free_compiled_programs():
     """Drop every compiled program after each test module. Each CPU executable holds ~6 memory mappings until
     jax's caches let it go; the whole suite compiles >10k programs, and past the kernel's vm.max_map_count
-    (65530) mmap fails inside XLA's compiler, which segfaults (CI exit 139 in test_spec.py)."""
+    (65530) mmap fails inside XLA's compiler, which segfaults (CI exit 139 in test_spec.py). Session-scoped
+    targets keep their engines' programs on themselves: those go too."""
     yield
     import jax
 
+    from kimijax.engine import drop_programs
+    from kimijax.models.llama import LlamaTarget
+    from kimijax.target import KimiTarget
+
     jax.clear_caches()
+    for obj in gc.get_objects():
+        if isinstance(obj, (KimiTarget, LlamaTarget)):
+            drop_programs(obj)
     gc.collect()
 
 

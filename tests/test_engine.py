@@ -107,8 +107,13 @@ def test_engines_share_programs_and_do_not_keep_targets_alive():
     e = Engine(t)
     e.generate([[5, 6, 7]], max_new_tokens=2, stop_ids=[])
     assert Engine(t)._compiled is e._compiled
+    first = e.generate([[5, 6, 7]], max_new_tokens=2, stop_ids=[])[0].tokens
+    kimijax.engine.drop_programs(t)  # a later Engine compiles again, same results
+    e2 = Engine(t)
+    assert e2._compiled is not e._compiled and not e2._compiled
+    assert e2.generate([[5, 6, 7]], max_new_tokens=2, stop_ids=[])[0].tokens == first
     ref = weakref.ref(t)
-    del t, e
+    del t, e, e2
     gc.collect()
     assert ref() is None
 
