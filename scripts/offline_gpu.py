@@ -16,6 +16,7 @@ fusion decisions and kernel counts do not depend on autotuning except for GEMM f
 
   python scripts/offline_gpu.py kernels --what moe --tokens 1            # a compiled program's launches
   python scripts/offline_gpu.py kernels --what attn --tokens 1 --list     # the MLA block, launch by launch
+  python scripts/offline_gpu.py kernels --what layer --tokens 1            # a whole Kimi MoE layer
   python scripts/offline_gpu.py sass --words [--config vector_loads=1]    # Mosaic GPU MoE: SASS + main loop
   python scripts/offline_gpu.py kernels --what round --method ddtree:16 [--commit-impl pallas]   # per round
 
@@ -234,6 +235,33 @@ def _attn(T: int, L: int, impl: str):
                            donate_argnums=(3,))
 
 
+def _layer(T: int, L: int, impl: str):
+    """One full-width Kimi K2.6 MoE decoder layer (norms, absorbed MLA, router, INT4 experts in the kernel
+    layout through the Triton kernel, shared expert), B = 1, the cache donated as in the model."""
+    import jax
+    import jax.numpy as jnp
+    from flax.core import meta
+
+    from kimijax.config import KIMI_K26 as cfg
+    from kimijax.models.common import causal_tree_mask
+    from kimijax.models.kimi import DecoderLayer
+
+    layer = DecoderLayer(cfg, True, jnp.bfloat16, impl, "pallas", None, "kernel")
+    S = jax.ShapeDtypeStruct
+    x = S((1, T, cfg.hidden_size), jnp.bfloat16)
+    pos = S((1, T), jnp.int32)
+    cache = S((1, L, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.bfloat16)
+    lens = S((1,), jnp.int32)
+    p = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), jnp.zeros((1, T, cfg.hidden_size), jnp.bfloat16),
+                                          jnp.zeros((1, T), jnp.int32), jnp.zeros(cache.shape, cache.dtype),
+                                          jnp.zeros((1,), jnp.int32), causal_tree_mask(1, T), True))["params"]
+    p = meta.unbox(p)
+    mask = causal_tree_mask(1, T)
+    return compile_for_gpu(lambda p, x, pos, cache, lens, mask: layer.apply({"params": p}, x, pos, cache, lens, mask,
+                                                                           True), p, x, pos, cache, lens, mask,
+                           donate_argnums=(3,))
+
+
 def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",
            commit_impl: str = "xla"):
     """The Engine's chunk program (`rounds` decode rounds in the device loop) for the embedded default's shapes
@@ -279,7 +307,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["kernels", "sass"])
-    ap.add_argument("--what", default="moe", choices=["moe", "attn", "round"])
+    ap.add_argument("--what", default="moe", choices=["moe", "attn", "layer", "round"])
     ap.add_argument("--method", default="ddtree:16", help="round: ar, dflash or ddtree:N")
     ap.add_argument("--concurrency", type=int, default=1, help="round: batch rows")
     ap.add_argument("--mlp-impl", default="xla", help="round: the target's MLP (xla or pallas)")
@@ -306,6 +334,8 @@ def main(argv=None) -> int:
         c = _moe(args.tokens, args.backend, words=args.words)
     elif args.what == "attn":
         c = _attn(args.tokens, args.context, args.impl)
+    elif args.what == "layer":
+        c = _layer(args.tokens, args.context, args.impl)
     else:
         name, _, b = args.method.partition(":")
         c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, commit_impl=args.commit_impl)
