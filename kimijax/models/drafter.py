@@ -82,19 +82,15 @@ class DraftAttention(nn.Module):
         q_BTHe = self.q_norm(jnp.einsum("btd,hed->bthe", x_BTD, self.q_proj))
         q_BTHe = apply_rope_half(q_BTHe, cos_BTe[:, :, None], sin_BTe[:, :, None])
         q_BTkge = q_BTHe.reshape(B, T, KV, G, E)  # query head h uses kv head h // G (HF repeat_kv)
-        blk_BT2ke = self.kv(x_BTD, cos_BTe, sin_BTe)
-        kc, vc = ctx_BL2ke[:, :, 0], ctx_BL2ke[:, :, 1]
-        kb, vb = blk_BT2ke[:, :, 0], blk_BT2ke[:, :, 1]
-        L = kc.shape[1]
+        # One key/value sequence [context ; block]: a score and a value product instead of two of each plus the
+        # slices between them (offline count: 5 fewer launches per drafter layer).
+        kv_BJ2ke = jnp.concatenate([ctx_BL2ke, self.kv(x_BTD, cos_BTe, sin_BTe)], axis=1)
         f32 = jnp.float32
-        s_ctx = jnp.einsum("btkge,blke->bkgtl", q_BTkge, kc, preferred_element_type=f32)
-        s_blk = jnp.einsum("btkge,bske->bkgts", q_BTkge, kb, preferred_element_type=f32)
-        s = jnp.concatenate([s_ctx, s_blk], axis=-1) * (E ** -0.5)
+        s = jnp.einsum("btkge,bjke->bkgtj", q_BTkge, kv_BJ2ke[:, :, 0], preferred_element_type=f32) * (E ** -0.5)
         mask_BTJ = jnp.concatenate([ctx_mask_BTL, jnp.broadcast_to(blk_mask_TT, (B, T, T))], axis=-1)
         s = jnp.where(mask_BTJ[:, None, None], s, -jnp.inf)  # every query sees at least itself
         p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
-        o = (jnp.einsum("bkgtl,blke->btkge", p[..., :L], vc, preferred_element_type=f32)
-             + jnp.einsum("bkgts,bske->btkge", p[..., L:], vb, preferred_element_type=f32))
+        o = jnp.einsum("bkgtj,bjke->btkge", p, kv_BJ2ke[:, :, 1], preferred_element_type=f32)
         o_BTHe = o.astype(self.dtype).reshape(B, T, KV * G, E)
         return jnp.einsum("bthe,dhe->btd", o_BTHe, self.o_proj)
 
