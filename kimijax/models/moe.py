@@ -34,8 +34,9 @@ def route(x_TD, w_gate_ED, bias_E, cfg: KimiConfig):
         sel_TE = jnp.where(jnp.repeat(keep_TG, E // cfg.n_group, axis=1), sel_TE, -jnp.inf)
     _, ids_Tk = jax.lax.top_k(sel_TE, cfg.num_experts_per_tok)
     w_Tk = jnp.take_along_axis(s_TE, ids_Tk, axis=1)
-    if cfg.norm_topk_prob:  # the k-term sum as adds, so it fuses with the gather and the scaling (a reduce
-        #                      over k would be a launch of its own per layer: offline count, T = 1)
+    if cfg.norm_topk_prob:
+        # The k-term sum as adds, so it fuses with the gather and the scaling (a reduce over k is a launch of
+        # its own per layer: offline count at T = 1).
         w_Tk = w_Tk / (functools.reduce(jnp.add, [w_Tk[:, j:j + 1] for j in range(w_Tk.shape[1])]) + 1e-20)
     return ids_Tk.astype(jnp.int32), w_Tk * cfg.routed_scaling_factor
 
