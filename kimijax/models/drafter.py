@@ -84,10 +84,17 @@ class DraftAttention(nn.Module):
         q_BTkge = q_BTHe.reshape(B, T, KV, G, E)  # query head h uses kv head h // G (HF repeat_kv)
         # One key/value sequence [context ; block]: a score and a value product instead of two of each plus the
         # slices between them (offline count: 5 fewer launches per drafter layer).
-        kv_BJ2ke = jnp.concatenate([ctx_BL2ke, self.kv(x_BTD, cos_BTe, sin_BTe)], axis=1)
+        # J is rounded up to a multiple of 32 with masked zero rows, which GEMM tiles want: otherwise XLA pads
+        # both products' operands in launches of their own.
+        blk_BT2ke = self.kv(x_BTD, cos_BTe, sin_BTe)
+        L = ctx_BL2ke.shape[1]
+        pad = -(L + T) % 32
+        kv_BJ2ke = jnp.concatenate([ctx_BL2ke, blk_BT2ke, jnp.zeros((B, pad) + blk_BT2ke.shape[2:], blk_BT2ke.dtype)],
+                                   axis=1)
         f32 = jnp.float32
         s = jnp.einsum("btkge,bjke->bkgtj", q_BTkge, kv_BJ2ke[:, :, 0], preferred_element_type=f32) * (E ** -0.5)
-        mask_BTJ = jnp.concatenate([ctx_mask_BTL, jnp.broadcast_to(blk_mask_TT, (B, T, T))], axis=-1)
+        mask_BTJ = jnp.concatenate([ctx_mask_BTL, jnp.broadcast_to(blk_mask_TT, (B, T, T)),
+                                    jnp.zeros((B, T, pad), bool)], axis=-1)
         s = jnp.where(mask_BTJ[:, None, None], s, -jnp.inf)  # every query sees at least itself
         p = jax.nn.softmax(s, axis=-1).astype(self.dtype)
         o = jnp.einsum("bkgtj,bjke->btkge", p, kv_BJ2ke[:, :, 1], preferred_element_type=f32)
