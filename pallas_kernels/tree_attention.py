@@ -166,15 +166,21 @@ def split_blocks(length, T: int, L: int, s, split: int, bk: int):
     return lo, n_free, n_all
 
 
-def combine_splits(o, lse, axis: int):
+def combine_splits(o, lse, axis: int, weights_column: bool = False):
     """Log-sum-exp merge of per-split normalised outputs o (split axis `axis`, one more trailing axis than lse)
     and their lse -> (o, lse) without that axis. Splits that saw nothing (lse -inf) weigh 0; a row no split saw
-    gets 0 and lse -inf."""
+    gets 0 and lse -inf. weights_column: sum the weights as one more column of the weighted outputs (one
+    reduction instead of two); which form XLA compiles to fewer launches depends on the shapes (offline counts
+    for an H200: fewer at T = 1 and for the GQA verify, one more for the MLA block at T = 9), so callers pick."""
     mx = jnp.max(lse, axis=axis)
     mx_safe = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w = jnp.exp(lse - jnp.expand_dims(mx_safe, axis))
-    den = jnp.sum(w, axis=axis)
-    o = jnp.sum(w[..., None] * o, axis=axis) / jnp.where(den > 0, den, 1.0)[..., None]
+    w = jnp.exp(lse - jnp.expand_dims(mx_safe, axis))[..., None]
+    if weights_column:
+        acc = jnp.sum(jnp.concatenate([w * o, w], axis=-1), axis=axis)
+        o, den = acc[..., :-1], acc[..., -1]
+    else:
+        o, den = jnp.sum(w * o, axis=axis), jnp.sum(w[..., 0], axis=axis)
+    o = o / jnp.where(den > 0, den, 1.0)[..., None]
     return o, jnp.where(den > 0, mx_safe + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
 
 
@@ -345,7 +351,7 @@ def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: fl
     )(lengths_B, bits_BTW, q_BMC, cache_BLC)
 
     if not single:
-        o, lse = combine_splits(o, lse, axis=1)
+        o, lse = combine_splits(o, lse, axis=1, weights_column=T == 1)  # fewer launches at T = 1 only
         o = o.astype(q_BTHC.dtype)
     if Mp != M:
         o, lse = o[:, :M], lse[:, :M]

@@ -154,3 +154,19 @@ def test_pack_tree_mask():
     u = np.arange(40)
     bits = (words[:, :, u // 32] >> (u % 32)) & 1
     np.testing.assert_array_equal(bits.astype(bool), m)
+
+
+def test_combine_splits_forms_agree():
+    """The split merge's two forms (weights summed as a column of the outputs, or on their own) give the same
+    merge, including splits that saw nothing (lse -inf) and a row that no split saw (0, lse -inf)."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    o = jnp.asarray(rng.normal(size=(2, 5, 7, 6)), jnp.float32)  # [B, S, rows, E], split axis 1
+    lse = rng.normal(size=(2, 5, 7)) * 3
+    lse[0, 1:3, 2] = -np.inf
+    lse[1, :, 4] = -np.inf
+    lse = jnp.asarray(lse, jnp.float32)
+    (o1, l1), (o2, l2) = (ta.combine_splits(o, lse, axis=1, weights_column=c) for c in (False, True))
+    np.testing.assert_allclose(np.asarray(o2), np.asarray(o1), rtol=1e-6, atol=1e-6, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-6, atol=1e-6, err_msg=f"seed {seed}")
+    assert np.all(np.asarray(o1[1, 4]) == 0) and np.isneginf(np.asarray(l1[1, 4]))
