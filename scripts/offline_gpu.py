@@ -21,8 +21,9 @@ fusion decisions and kernel counts do not depend on autotuning except for GEMM f
   python scripts/offline_gpu.py kernels --what round --method ddtree:16 [--commit-impl pallas]   # per round
 
 (PYTHONPATH=. and the side venv's python.) Measured this way (2026-12-07): the MLA block at T=1 over a 4k
-cache (donated, as in the model) was 19 launches, as the GPU profile of 2026-12-04 counted, and is 18 since
-one request's cache write is a plain update-slice (pallas_kernels/row_move.write_rows); one gate/up pipeline
+cache (donated, as in the model) was 19 launches, as the GPU profile of 2026-12-04 counted, and is 17 since
+one request's cache write is a plain update-slice (pallas_kernels/row_move.write_rows) and the attention's
+split merge sums its weights as an output column; one gate/up pipeline
 step of the Mosaic GPU MoE is 928 instructions per warp with int4 tiles, 848 with vector loads, 654 with
 thread words.
 """
