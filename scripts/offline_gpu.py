@@ -211,56 +211,45 @@ def _moe(T: int, backend: str, cfg=None, words: bool = False):
     return compile_for_gpu(lambda *a: moe(*a, impl="pallas"), x, ids, w, ex)
 
 
-def _attn(T: int, L: int, impl: str):
-    """The absorbed MLA block of one full-width Kimi K2.6 layer (scripts/profile_block.py --block attn)."""
+def _kimi_block(module, T: int, L: int):
+    """Compile `module` (called as (x, positions, cache, lengths, tree mask, absorbed=True)) at full Kimi K2.6 width
+    for B = 1, T tokens over an L-slot latent cache, donated as in the model."""
     import jax
     import jax.numpy as jnp
+    from flax.core import meta
 
     from kimijax.config import KIMI_K26 as cfg
     from kimijax.models.common import causal_tree_mask
+
+    S = jax.ShapeDtypeStruct
+    args = (S((1, T, cfg.hidden_size), jnp.bfloat16), S((1, T), jnp.int32),
+            S((1, L, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.bfloat16), S((1,), jnp.int32))
+    mask = causal_tree_mask(1, T)
+    p = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *(jnp.zeros(a.shape, a.dtype) for a in args), mask,
+                                           absorbed=True))["params"]
+    return compile_for_gpu(lambda p, *a: module.apply({"params": meta.unbox(p)}, *a, absorbed=True),
+                           p, *args, mask, donate_argnums=(3,))
+
+
+def _attn(T: int, L: int, impl: str):
+    """The absorbed MLA block of one full-width Kimi K2.6 layer (scripts/profile_block.py --block attn)."""
+    import jax.numpy as jnp
+
+    from kimijax.config import KIMI_K26 as cfg
     from kimijax.models.mla import MLA
 
-    mla = MLA(cfg, jnp.bfloat16, impl)
-    S = jax.ShapeDtypeStruct
-    x = S((1, T, cfg.hidden_size), jnp.bfloat16)
-    pos = S((1, T), jnp.int32)
-    cache = S((1, L, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.bfloat16)
-    lens = S((1,), jnp.int32)
-    p = jax.eval_shape(lambda: mla.init(jax.random.PRNGKey(0), jnp.zeros((1, T, cfg.hidden_size), jnp.bfloat16),
-                                        jnp.zeros((1, T), jnp.int32)))["params"]
-    from flax.core import meta
-    p = meta.unbox(p)
-    mask = causal_tree_mask(1, T)
-    return compile_for_gpu(lambda p, x, pos, cache, lens, mask: mla.apply({"params": p}, x, pos, cache, lens, mask,
-                                                                         absorbed=True), p, x, pos, cache, lens, mask,
-                           donate_argnums=(3,))
+    return _kimi_block(MLA(cfg, jnp.bfloat16, impl), T, L)
 
 
 def _layer(T: int, L: int, impl: str):
     """One full-width Kimi K2.6 MoE decoder layer (norms, absorbed MLA, router, INT4 experts in the kernel
-    layout through the Triton kernel, shared expert), B = 1, the cache donated as in the model."""
-    import jax
+    layout through the Triton kernel, shared expert)."""
     import jax.numpy as jnp
-    from flax.core import meta
 
     from kimijax.config import KIMI_K26 as cfg
-    from kimijax.models.common import causal_tree_mask
     from kimijax.models.kimi import DecoderLayer
 
-    layer = DecoderLayer(cfg, True, jnp.bfloat16, impl, "pallas", None, "kernel")
-    S = jax.ShapeDtypeStruct
-    x = S((1, T, cfg.hidden_size), jnp.bfloat16)
-    pos = S((1, T), jnp.int32)
-    cache = S((1, L, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.bfloat16)
-    lens = S((1,), jnp.int32)
-    p = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), jnp.zeros((1, T, cfg.hidden_size), jnp.bfloat16),
-                                          jnp.zeros((1, T), jnp.int32), jnp.zeros(cache.shape, cache.dtype),
-                                          jnp.zeros((1,), jnp.int32), causal_tree_mask(1, T), True))["params"]
-    p = meta.unbox(p)
-    mask = causal_tree_mask(1, T)
-    return compile_for_gpu(lambda p, x, pos, cache, lens, mask: layer.apply({"params": p}, x, pos, cache, lens, mask,
-                                                                           True), p, x, pos, cache, lens, mask,
-                           donate_argnums=(3,))
+    return _kimi_block(DecoderLayer(cfg, True, jnp.bfloat16, impl, "pallas", None, "kernel"), T, L)
 
 
 def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",
