@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from kimijax.config import KimiConfig
 from kimijax.models.kimi import Kimi
+from pallas_kernels.row_move import move_rows
 
 
 def gather_rows(x_BT, idx_B):
@@ -32,8 +33,6 @@ def compact_caches(caches, lengths_B, path_BP, n_B, impl: str = "xla"):
     Rows j >= n are left unchanged. impl "xla": one fusion per cache; "pallas" / "interpret": one kernel for
     all caches (pallas_kernels/row_move.py).
     """
-    from pallas_kernels.row_move import move_rows
-
     return move_rows(caches, lengths_B[:, None] + path_BP, lengths_B, n_B, impl)
 
 

@@ -1,4 +1,5 @@
-"""The spec round's cache commit as one kernel: move the accepted tree rows of every layer's cache.
+"""Cache rows: the models' cache write (`write_rows`, XLA) and the spec round's cache commit as one kernel
+(move the accepted tree rows of every layer's cache).
 
 After a verify, the K/V (or latent) rows of the tree's N+1 nodes sit at slots S..S+N of each layer's cache;
 the accepted path's rows must move to S..S+n-1. XLA does this as one fusion per layer cache (a gather plus
@@ -102,4 +103,4 @@ def move_rows(caches, src_BP, dst_B, n_B, impl: str = "xla"):
     raise ValueError(f"unknown move_rows impl {impl!r}: choose xla, pallas or interpret")
 
 
-__all__ = ["move_rows", "move_rows_pallas", "move_rows_ref"]
+__all__ = ["move_rows", "move_rows_pallas", "move_rows_ref", "write_rows"]
