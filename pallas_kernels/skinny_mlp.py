@@ -107,39 +107,65 @@ def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, blo
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot tiles)")
     Mp = max(16, next_pow2(M))
-    n_f, n_d = -(-F // block_f), -(-D // block_d)
-    fs = -(-(-(-F // splits)) // block_k) * block_k  # each split's share of F, a multiple of block_k
-    S = -(-F // fs)
-    masked = bool(D % block_k or F % block_f or D % block_d or F % fs)
-    dt = x_MD.dtype
+    n_f = -(-F // block_f)
+    masked = bool(D % block_k or F % block_f)
     x = jnp.pad(x_MD, ((0, Mp - M), (0, 0)))
-    wg, wu, wd = w_gate_FD, w_up_FD, w_down_DF
+    wg, wu = w_gate_FD, w_up_FD
     if interpret and masked:  # the interpreter cannot slice past an array's end; the GPU masks instead
-        Dp = max(-(-D // block_k) * block_k, n_d * block_d)  # the furthest column any slice touches
-        Fp = max(n_f * block_f, S * fs)
+        Dp, Fp = -(-D // block_k) * block_k, n_f * block_f
         x = jnp.pad(x, ((0, 0), (0, Dp - D)))
         wg, wu = (jnp.pad(w, ((0, Fp - F), (0, Dp - D))) for w in (wg, wu))
-        wd = jnp.pad(wd, ((0, Dp - D), (0, Fp - F)))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    params = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, D=D, F=F, bf=block_f, bk=block_k, masked=masked, f32_dots=interpret),
         grid=(n_f,), in_specs=[full(x), full(wg), full(wu)],
         out_specs=pl.BlockSpec((Mp, wg.shape[0]), lambda j: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((Mp, wg.shape[0]), dt),
-        compiler_params=params, interpret=interpret, name="skinny_mlp_gate_up",
+        out_shape=jax.ShapeDtypeStruct((Mp, wg.shape[0]), x_MD.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret,
+        name="skinny_mlp_gate_up",
     )(x, wg, wu)
+    return linear_pallas(h[:, :F], w_down_DF, block_n=block_d, block_k=block_k, splits=splits, num_warps=num_warps,
+                         interpret=interpret, name="skinny_mlp_down")[:M]
+
+
+def linear_pallas(x_MK, w_NK, *, block_n: int = 16, block_k: int = 64, splits: int = 1, num_warps: int = 4,
+                  interpret: bool = False, name: str = "skinny_linear"):
+    """x @ w.T for x [M, K] with M <= MAX_ROWS (padded rows are computed and dropped) -> [M, N] f32: the MLP's down
+    kernel alone, for any projection of a few rows. Grid (N / block_n, splits); each split sums its 1/splits share
+    of K in block_k chunks and the splits' partials are added in split order (fixed, so each row's bits do not
+    depend on the other rows)."""
+    M, K = x_MK.shape
+    N = w_NK.shape[0]
+    if w_NK.shape != (N, K):
+        raise ValueError(f"weight {w_NK.shape} does not fit x {x_MK.shape}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"{M} rows: this kernel is for 1..{MAX_ROWS} rows (use the XLA path)")
+    for nm, b in (("block_n", block_n), ("block_k", block_k)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{nm}={b} must be a power of two >= 16 (Triton dot tiles)")
+    Mp = max(16, next_pow2(M))
+    n_n = -(-N // block_n)
+    ks = -(-(-(-K // splits)) // block_k) * block_k  # each split's share of K, a multiple of block_k
+    S = -(-K // ks)
+    masked = bool(K % block_k or N % block_n or K % ks)
+    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
+    w = w_NK
+    if interpret and masked:  # the interpreter cannot slice past an array's end; the GPU masks instead
+        Kp, Np = S * ks, n_n * block_n
+        x = jnp.pad(x, ((0, 0), (0, Kp - K)))
+        w = jnp.pad(w, ((0, Np - N), (0, Kp - K)))
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     part = pl.pallas_call(
-        functools.partial(_down_kernel, D=D, F=F, bd=block_d, bk=block_k, fs=fs, masked=masked, f32_dots=interpret),
-        grid=(n_d, S), in_specs=[full(h), full(wd)],
-        out_specs=pl.BlockSpec((None, Mp, wd.shape[0]), lambda i, s: (s, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((S, Mp, wd.shape[0]), jnp.float32),
-        compiler_params=params, interpret=interpret, name="skinny_mlp_down",
-    )(h, wd)
+        functools.partial(_down_kernel, D=N, F=K, bd=block_n, bk=block_k, fs=ks, masked=masked, f32_dots=interpret),
+        grid=(n_n, S), in_specs=[full(x), full(w)],
+        out_specs=pl.BlockSpec((None, Mp, w.shape[0]), lambda i, s: (s, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((S, Mp, w.shape[0]), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret, name=name,
+    )(x, w)
     out = part[0]
     for s in range(1, S):  # split order, so the sum is the same every call
         out = out + part[s]
-    return out[:M, :D]
+    return out[:M, :N]
 
 
 def swiglu(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, impl: str = "xla", **kw):
@@ -173,19 +199,19 @@ def _main():  # pragma: no cover - timing on the GPU
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     w = [jax.random.normal(ks[i], s, jnp.float32) * 0.04 for i, s in enumerate([(F, D), (F, D), (D, F)])]
 
-    def per_call_us(f, x):
+    def per_call_us(f, x, *ws):
+        ws = ws or w
         g = jax.jit(lambda x, *w: functools.reduce(lambda x, _: x + 1e-3 * f(x, *w), range(n), x))
-        jax.block_until_ready(g(x, *w))
+        jax.block_until_ready(g(x, *ws))
         ts = []
         for _ in range(30):
             t = time.perf_counter()
-            jax.block_until_ready(g(x, *w))
+            jax.block_until_ready(g(x, *ws))
             ts.append(time.perf_counter() - t)
         return float(np.median(ts)) / n * 1e6
 
-    variants = {"default": {}, "bf32": dict(block_f=32), "bd32": dict(block_d=32), "splits2": dict(splits=2),
-                "splits8": dict(splits=8), "bk32": dict(block_k=32), "warps2": dict(num_warps=2)}
-    for M in (1, 5, 9, 17, 32):
+    variants = {"default": {}, "bf32": dict(block_f=32), "splits2": dict(splits=2), "splits8": dict(splits=8)}
+    for M in (1, 9, 17):
         x = jax.random.normal(ks[3], (M, D), jnp.float32)
         r = jax.jit(swiglu_ref)(x, *w)
         t_ref = per_call_us(swiglu_ref, x) if on_gpu else float("nan")
@@ -197,6 +223,24 @@ def _main():  # pragma: no cover - timing on the GPU
             t = per_call_us(f, x) if on_gpu else float("nan")
             line.append(f"{name} {t:6.1f} (err {err:.0e})")
         print(" | ".join(line), flush=True)
+    # The attention's projections of a SmolLM2 layer (q and o: 576 -> 576; k and v: 576 -> 192) as one kernel each
+    lin_ref = lambda x, w: jnp.einsum("mk,nk->mn", x, w, precision=lax.Precision.HIGHEST)
+    for N in (576, 192):
+        wl = jax.random.normal(ks[0], (N, D), jnp.float32) * 0.04
+        for M in (1, 17):
+            x = jax.random.normal(ks[3], (M, D), jnp.float32)
+            r = jax.jit(lin_ref)(x, wl)
+            wide = lambda f: lambda x, w: jnp.tile(f(x, w), (1, D // N))  # the chain needs [M, D]; every column used
+            t_ref = per_call_us(wide(lin_ref), x, wl) if on_gpu else float("nan")
+            line = [f"linear {N}x{D} M={M:2d}: XLA {t_ref:6.1f}"]
+            for name, kw in {"default": {}, "bn32": dict(block_n=32), "splits2": dict(splits=2),
+                             "bk32": dict(block_k=32)}.items():
+                f = functools.partial(linear_pallas, interpret=not on_gpu, **kw)
+                out = jax.jit(f)(x, wl)
+                err = float(jnp.max(jnp.abs(out - r)) / jnp.max(jnp.abs(r)))
+                t = per_call_us(wide(f), x, wl) if on_gpu else float("nan")
+                line.append(f"{name} {t:6.1f} (err {err:.0e})")
+            print(" | ".join(line), flush=True)
     # Row independence (module docstring): a verify row vs the same row alone (an AR step), bit for bit
     x = jax.random.normal(ks[3], (17, D), jnp.float32)
     for name, f in (("XLA", swiglu_ref), ("kernel", functools.partial(swiglu_pallas, interpret=not on_gpu))):

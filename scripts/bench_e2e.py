@@ -77,6 +77,12 @@ def run_grid(args) -> dict:
 
     dev = jax.devices()[0]
     target = load_llama_gguf(args.gguf, dtype=args.dtype, progress=True)
+    if args.mlp_impl != "xla" or args.proj_impl != "xla":  # experiment: pallas_kernels/skinny_mlp.py
+        import dataclasses
+        target = dataclasses.replace(target, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl)
+    if args.commit_impl != "xla":  # experiment: the commit as one kernel (the round reads the module attribute)
+        import kimijax.spec.round as spec_round
+        spec_round.commit_impl = args.commit_impl
     drafter = kimijax.load_drafter(args.drafter, target)
     chats = heldout_chats(target, args.prompts or Path(args.drafter) / "heldout_prompts.json", args.max_prompt_tokens)
     # HBM read roof in this run (GPU only) and the weight bytes a decode step must read at least once
@@ -89,7 +95,8 @@ def run_grid(args) -> dict:
               f"(floor {weights_bytes / roof * 1e3:.3f} ms per step)", flush=True)
     out_path = Path(args.out)
     this_call = dict(argv=sys.argv[1:], date=time.strftime("%Y-%m-%d %H:%M"), roof_bytes_per_s=roof,
-                     xla_flags=os.environ.get("XLA_FLAGS", ""), compile_cache=args.compile_cache)
+                     xla_flags=os.environ.get("XLA_FLAGS", ""), compile_cache=args.compile_cache,
+                     mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl)
     res = json.loads(out_path.read_text()) if args.append and out_path.exists() else dict(
         script="scripts/bench_e2e.py", argv=sys.argv[1:], date=time.strftime("%Y-%m-%d"),
         device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, target=target.name,
@@ -222,6 +229,12 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", default=None, help="drafter directory (default: the committed SmolLM2 drafter)")
     p.add_argument("--prompts", default=None, help="held-out prompts JSON (default: the drafter's)")
     p.add_argument("--dtype", default="float32", help="target dtype (float32 keeps greedy DDTree == AR exact)")
+    p.add_argument("--mlp-impl", choices=["xla", "pallas", "interpret"], default="xla",
+                   help="experiment: the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)")
+    p.add_argument("--proj-impl", choices=["xla", "pallas", "interpret"], default="xla",
+                   help="experiment: the target's q/k/v/o projections for passes of <= 64 rows (same file)")
+    p.add_argument("--commit-impl", choices=["xla", "pallas", "interpret"], default="xla",
+                   help="experiment: the cache commit as one kernel for all layers (pallas_kernels/row_move.py)")
     p.add_argument("--methods", type=parse_methods,
                    default=parse_methods("ar,dflash,ddtree:4,ddtree:8,ddtree:16,ddtree:32,ddtree:64"))
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])

@@ -253,7 +253,7 @@ def _layer(T: int, L: int, impl: str):
 
 
 def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",
-           commit_impl: str = "xla"):
+           proj_impl: str = "xla", commit_impl: str = "xla"):
     """The Engine's chunk program (`rounds` decode rounds in the device loop) for the embedded default's shapes
     (SmolLM2-135M in float32 + a drafter with the committed drafter's config, random weights), with the GPU's
     attention kernel, as scripts/profile_round.py runs it. The start state is made on the CPU (reference
@@ -279,7 +279,7 @@ def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, target.vocab_size, prompt_len).tolist() for _ in range(C)]
     _, st = eng.start(prompts, max_new_tokens=rounds * eng.tokens_per_round + 1, stop_ids=[])
-    gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl))
+    gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl, proj_impl=proj_impl))
     dparams = None if drafter is None else drafter.params
     from kimijax.spec import round as spec_round
     spec_round.commit_impl, old = commit_impl, spec_round.commit_impl
@@ -301,6 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="ddtree:16", help="round: ar, dflash or ddtree:N")
     ap.add_argument("--concurrency", type=int, default=1, help="round: batch rows")
     ap.add_argument("--mlp-impl", default="xla", help="round: the target's MLP (xla or pallas)")
+    ap.add_argument("--proj-impl", default="xla", help="round: the target's attention projections (xla or pallas)")
     ap.add_argument("--commit-impl", default="xla", help="round: the cache commit (xla or pallas)")
     ap.add_argument("--impl", default="pallas", help="attn: tree attention impl (pallas, xla, auto)")
     ap.add_argument("--context", type=int, default=4096, help="attn: cache slots L")
@@ -328,7 +329,8 @@ def main(argv=None) -> int:
         c = _layer(args.tokens, args.context, args.impl)
     else:
         name, _, b = args.method.partition(":")
-        c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, commit_impl=args.commit_impl)
+        c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl,
+                   commit_impl=args.commit_impl)
     hlo = c.as_text()
     if args.what == "round":  # per stage of the round, as scripts/profile_round.py groups them
         sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -87,8 +87,8 @@ def load_models(args):
         target = load_llama_gguf(None if args.gguf == "default" else args.gguf, dtype=args.dtype, progress=True)
     else:
         target = random_llama_target(dataclasses.replace(SMOLLM2_135M, dtype=args.dtype), seed=args.seed)
-    if args.mlp_impl != "xla":  # A/B: the skinny MLP kernels for passes of <= 64 rows
-        target = dataclasses.replace(target, mlp_impl=args.mlp_impl)
+    if args.mlp_impl != "xla" or args.proj_impl != "xla":  # A/B: the skinny kernels for passes of <= 64 rows
+        target = dataclasses.replace(target, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl)
     if args.random_drafter:  # the drafter's config with random weights: same kernels, no weight files needed
         from kimijax.models.drafter import DrafterConfig, random_drafter
         hf = json.loads((Path(args.drafter) / "config.json").read_text())
@@ -179,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default=None, help="drafter directory (default: the committed SmolLM2 drafter)")
     ap.add_argument("--random-drafter", action="store_true",
                     help="random weights in the drafter's config (round time does not depend on them)")
+    ap.add_argument("--proj-impl", default="xla", choices=("xla", "pallas", "interpret"),
+                    help="experiment: the target's q/k/v/o projections for passes of <= 64 rows "
+                         "(pallas_kernels/skinny_mlp.py linear_pallas)")
     ap.add_argument("--mlp-impl", default="xla", choices=("xla", "pallas", "interpret"),
                     help="experiment: the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)")
     ap.add_argument("--f32-dots", default="highest", choices=("highest", "tf32x3", "bf16x6"),
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
     res = dict(script="scripts/profile_round.py", argv=sys.argv[1:] if argv is None else argv,
                date=time.strftime("%Y-%m-%d"), device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__,
                xla_flags=os.environ.get("XLA_FLAGS", ""), gqa_kwargs=args.gqa_kwargs, f32_dots=args.f32_dots,
-               mlp_impl=args.mlp_impl, commit_impl=args.commit_impl, target=target.name, dtype=args.dtype, rows=[])
+               mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl, target=target.name, dtype=args.dtype, rows=[])
     res["attn_impl"] = target.attn_impl
     res["weights_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(target.params))
     if dev.platform == "gpu":  # the HBM read roof in this run: an AR step must read the weights at least once

@@ -42,6 +42,26 @@ def test_matches_reference(M, D, F, kw):
                                err_msg=msg)
 
 
+@pytest.mark.parametrize("M,N,K,kw", [
+    (1, 48, 64, {}),                                   # one AR row, everything divides
+    (17, 40, 72, dict(splits=2)),                      # ragged N and K; K / 2 splits is not a block_k multiple
+    (9, 100, 24, dict(block_n=32, block_k=16, splits=4)),
+])
+def test_linear_matches_reference(M, N, K, kw):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(N, K)) / np.sqrt(K), jnp.float32)
+    out = jax.jit(functools.partial(sm.linear_pallas, interpret=True, **kw))(x, w)
+    ref = jnp.einsum("mk,nk->mn", x, w, precision=jax.lax.Precision.HIGHEST)
+    msg = f"seed={seed} M={M} N={N} K={K} {kw}"
+    assert out.shape == (M, N) and bool(jnp.all(jnp.isfinite(out))), msg
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6 * float(jnp.max(jnp.abs(ref))),
+                               err_msg=msg)
+    with pytest.raises(ValueError, match="does not fit"):
+        sm.linear_pallas(x, w.T, interpret=True)
+
+
 def test_dispatch_and_errors():
     x, w = _inputs(fresh_seed(), 4, 32, 48)
     np.testing.assert_allclose(np.asarray(sm.swiglu(x, *w, impl="interpret")), np.asarray(sm.swiglu(x, *w)),

@@ -388,6 +388,20 @@ def test_tiny_mlp_kernel_matches_xla_path(tiny):
         LlamaTarget(tiny.cfg, tiny.params, mlp_impl="cuda")
 
 
+@pytest.mark.parametrize("attn_impl", ["xla", "interpret"])
+def test_tiny_projection_kernels_match_xla_path(tiny, attn_impl):
+    # proj_impl="interpret": the q/k/v/o projections of passes of <= 64 rows through skinny_mlp.linear_pallas,
+    # with the XLA attention and with the attention kernel (queries in its grouped layout)
+    base = LlamaTarget(tiny.cfg, tiny.params, attn_impl=attn_impl)
+    kern = LlamaTarget(tiny.cfg, tiny.params, attn_impl=attn_impl, mlp_impl="interpret", proj_impl="interpret")
+    outs = _prefill_verify_step((base, kern), tiny.vocab_size, 4, [7, 4], T0=7, L=40)
+    for a, b in zip(outs[0], outs[1]):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    from kimijax.config import ConfigError
+    with pytest.raises(ConfigError, match="proj_impl"):
+        LlamaTarget(tiny.cfg, tiny.params, proj_impl="cuda")
+
+
 def test_tiny_attention_kernel_matches_xla_path(tiny):
     # the decode/verify attention through the Pallas kernel (interpret) gives the XLA path's logits: a tree
     # verify over a prefilled cache, then an AR step

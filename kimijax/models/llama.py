@@ -28,6 +28,7 @@ from kimijax.config import ConfigError
 from kimijax.models.common import (MLP, RMSNorm, apply_rope_half, causal_rows, causal_tree_mask, in_query_chunks,
                                    param, rope_cos_sin)
 from kimijax.target import gather_rows
+from pallas_kernels import skinny_mlp
 from pallas_kernels.gqa_attention import gqa_tree_attention, kernel_supports
 from pallas_kernels.row_move import write_rows
 from pallas_kernels.tree_attention import visibility_mask
@@ -116,10 +117,18 @@ def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float, precision=None
     return in_query_chunks(one, (q_BTHe,), mask_BTS, B * H * S)
 
 
+def _skinny_linear(x_BTD, w_ND, impl):
+    """x @ w.T -> [B, T, N] through pallas_kernels/skinny_mlp.linear_pallas (f32 passes of <= 64 rows)."""
+    B, T, D = x_BTD.shape
+    y = skinny_mlp.linear_pallas(x_BTD.reshape(B * T, D), w_ND, interpret=impl == "interpret")
+    return y.reshape(B, T, -1).astype(x_BTD.dtype)
+
+
 class LlamaAttention(nn.Module):
     cfg: LlamaConfig
     dtype: Any
     attn_impl: str = "xla"  # decode / verify attention over the cache: "xla", "pallas" or "interpret"
+    proj_impl: str = "xla"  # experiment: the q/k/v/o projections of f32 passes of <= 64 rows as skinny kernels
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache=None, lengths_B=None, tree_mask_BTT=None, *,
@@ -136,17 +145,29 @@ class LlamaAttention(nn.Module):
         # The attention kernel takes the queries grouped per kv head, [B, KV, T*g, e]: projected straight into
         # that layout (and the output projected straight from it) instead of transposing on each side.
         kernel = from_cache and self.attn_impl != "xla"
+        skinny = self.proj_impl != "xla" and x_BTD.dtype == jnp.float32 and B * T <= skinny_mlp.MAX_ROWS
         with jax.named_scope("attn_proj"):
             cos, sin = rope_cos_sin(positions_BT, c.inv_freq(), 1.0)
-            if kernel:
+            if skinny:  # one row's bits do not depend on the pass's other rows (skinny_mlp docstring)
+                q = _skinny_linear(x_BTD, w_q.reshape(H * E, D), self.proj_impl).reshape(B, T, H, E)
+                k = _skinny_linear(x_BTD, w_k.reshape(KV * E, D), self.proj_impl).reshape(B, T, KV, E)
+                v = _skinny_linear(x_BTD, w_v.reshape(KV * E, D), self.proj_impl).reshape(B, T, KV, E)
+                if kernel:
+                    q = q.reshape(B, T, KV, g, E).transpose(0, 2, 1, 3, 4)
+                    q = apply_rope_half(q, cos[:, None, :, None], sin[:, None, :, None])
+                else:
+                    q = apply_rope_half(q, cos[:, :, None], sin[:, :, None])
+                k = apply_rope_half(k, cos[:, :, None], sin[:, :, None])
+            elif kernel:
                 q_BktgE = jnp.einsum("btd,kged->bktge", x_BTD, w_q.reshape(KV, g, E, D), precision=pr)
                 q = apply_rope_half(q_BktgE, cos[:, None, :, None], sin[:, None, :, None])
             else:
                 q = apply_rope_half(jnp.einsum("btd,hed->bthe", x_BTD, w_q, precision=pr), cos[:, :, None],
                                     sin[:, :, None])
-            k = apply_rope_half(jnp.einsum("btd,ked->btke", x_BTD, w_k, precision=pr), cos[:, :, None],
-                                sin[:, :, None])
-            v = jnp.einsum("btd,ked->btke", x_BTD, w_v, precision=pr)
+            if not skinny:
+                k = apply_rope_half(jnp.einsum("btd,ked->btke", x_BTD, w_k, precision=pr), cos[:, :, None],
+                                    sin[:, :, None])
+                v = jnp.einsum("btd,ked->btke", x_BTD, w_v, precision=pr)
         if cache is not None:
             cache = write_rows(cache, jnp.stack([k, v], axis=2), lengths_B)  # capacity: checked by the engine
         with jax.named_scope("attn"):
@@ -156,6 +177,9 @@ class LlamaAttention(nn.Module):
                 if kernel:  # one kernel reading the cache in place
                     o = gqa_tree_attention(q.reshape(B, KV, T * g, E), cache, lengths_B, tree_mask_BTT, E ** -0.5,
                                            impl=self.attn_impl)
+                    if skinny:
+                        o = o.reshape(B, KV, T, g, E).transpose(0, 2, 1, 3, 4).reshape(B, T, H * E)
+                        return _skinny_linear(o, w_o.reshape(D, H * E), self.proj_impl), cache
                     return jnp.einsum("bktge,dkge->btd", o.reshape(B, KV, T, g, E), w_o.reshape(D, KV, g, E),
                                       precision=pr), cache
                 mask = visibility_mask(lengths_B, tree_mask_BTT, cache.shape[1])
@@ -163,6 +187,8 @@ class LlamaAttention(nn.Module):
             else:  # this pass's own tokens only (full forward, prefill from an empty cache)
                 dc = dt if cache is None else cache.dtype
                 o = gqa_attention(q, k.astype(dc), v.astype(dc), tree_mask_BTT, E ** -0.5, pr)
+        if skinny:
+            return _skinny_linear(o.reshape(B, T, H * E), w_o.reshape(D, H * E), self.proj_impl), cache
         return jnp.einsum("bthe,dhe->btd", o, w_o, precision=pr), cache
 
 
@@ -171,12 +197,13 @@ class LlamaLayer(nn.Module):
     dtype: Any
     attn_impl: str = "xla"
     mlp_impl: str = "xla"
+    proj_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, from_cache):
         c = self.cfg
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_layernorm")(x_BTD)
-        attn = LlamaAttention(c, self.dtype, self.attn_impl, name="self_attn")
+        attn = LlamaAttention(c, self.dtype, self.attn_impl, self.proj_impl, name="self_attn")
         a, cache = attn(h, positions_BT, cache, lengths_B, tree_mask_BTT, from_cache=from_cache)
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
@@ -192,6 +219,7 @@ class Llama(nn.Module):
     cfg: LlamaConfig
     attn_impl: str = "xla"
     mlp_impl: str = "xla"
+    proj_impl: str = "xla"
 
     @property
     def dtype(self):
@@ -201,7 +229,7 @@ class Llama(nn.Module):
         c = self.cfg
         self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                                   self.dtype, init="normal")
-        self.layers = [LlamaLayer(c, self.dtype, self.attn_impl, self.mlp_impl, name=f"layers_{i}")
+        self.layers = [LlamaLayer(c, self.dtype, self.attn_impl, self.mlp_impl, self.proj_impl, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
         if not c.tie_word_embeddings:
@@ -254,6 +282,7 @@ class LlamaTarget:
     # "xla", or the experimental skinny MLP kernels ("pallas" / "interpret") for f32 passes of <= 64 rows (decode
     # steps, small verifies); XLA until a GPU run shows they pay (pallas_kernels/skinny_mlp.py)
     mlp_impl: str = "xla"
+    proj_impl: str = "xla"  # the same experiment for the attention's q/k/v/o projections (skinny_mlp.linear_pallas)
 
     def __post_init__(self):
         if self.attn_impl is None:
@@ -266,9 +295,10 @@ class LlamaTarget:
         if self.attn_impl == "pallas" and not kernel_supports(self.cfg.head_dim):
             raise ConfigError(f"the GQA attention kernel needs a power-of-two head_dim >= 16, this model has "
                               f"{self.cfg.head_dim}: use attn_impl='xla'")
-        if self.mlp_impl not in ("xla", "pallas", "interpret"):
-            raise ConfigError(f"mlp_impl {self.mlp_impl!r} must be xla, pallas or interpret")
-        self.module = Llama(self.cfg, self.attn_impl, self.mlp_impl)
+        for k in ("mlp_impl", "proj_impl"):
+            if getattr(self, k) not in ("xla", "pallas", "interpret"):
+                raise ConfigError(f"{k} {getattr(self, k)!r} must be xla, pallas or interpret")
+        self.module = Llama(self.cfg, self.attn_impl, self.mlp_impl, self.proj_impl)
         self._forward = jax.jit(self._forward_fn)
 
     # ---- facts the engine needs
