@@ -11,6 +11,8 @@ SIMT kernels with 32x32 tiles, ~48 CTAs for 132 SMs, 5-6 us each against 2-4 us 
            block_k chunks, and writes h[:, j-block] = silu(g) * u. One kernel for two GEMMs and the fusion.
   down     grid (D / block_d, splits): program (i, s) sums h[:, f] w_down[i-block, f] over its 1/splits share of
            F; the splits' f32 partials are added by XLA in split order (deterministic; no atomics).
+           `linear_pallas` is this kernel alone, for any projection of a few rows (the Llama target's q/k/v/o
+           with `proj_impl`).
 
 Every output row depends on its own input row only, with a fixed order of additions, so one row gives the same
 bits whether it runs alone (an AR step) or among 17 (a verify) - unlike cuBLAS, whose kernel choice depends on M.
