@@ -56,7 +56,7 @@ def _load(ref, rows, cols, n_rows, n_cols, masked):
     return pltriton.load(ref.at[rows, cols], mask=(r < n_rows)[:, None] & (c < n_cols)[None, :], other=0.0)
 
 
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, D, F, bf, bk, masked, f32_dots):
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, D, F, bf, bk, masked, f32_dots, algo):
     j = pl.program_id(0)
     Mp = x_ref.shape[0]
     fr = pl.ds(j * bf, bf)
@@ -65,8 +65,8 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, D, F, bf, bk, masked, f32_d
         acc_g, acc_u = acc
         kr = pl.ds(kk * bk, bk)
         x = _load(x_ref, pl.ds(0, Mp), kr, Mp, D, masked)
-        return (acc_g + kernel_dot(x, _load(wg_ref, fr, kr, F, D, masked), _C11, f32_dots),
-                acc_u + kernel_dot(x, _load(wu_ref, fr, kr, F, D, masked), _C11, f32_dots))
+        return (acc_g + kernel_dot(x, _load(wg_ref, fr, kr, F, D, masked), _C11, f32_dots, algo),
+                acc_u + kernel_dot(x, _load(wu_ref, fr, kr, F, D, masked), _C11, f32_dots, algo))
 
     zero = jnp.zeros((Mp, bf), jnp.float32)
     acc_g, acc_u = lax.fori_loop(0, -(-D // bk), step, (zero, zero))
@@ -78,7 +78,7 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, D, F, bf, bk, masked, f32_d
         h_ref[:, fr] = h.astype(h_ref.dtype)
 
 
-def _down_kernel(h_ref, wd_ref, o_ref, *, D, F, bd, bk, fs, masked, f32_dots):
+def _down_kernel(h_ref, wd_ref, o_ref, *, D, F, bd, bk, fs, masked, f32_dots, algo):
     i, s = pl.program_id(0), pl.program_id(1)
     Mp = h_ref.shape[0]
     dr = pl.ds(i * bd, bd)
@@ -86,7 +86,7 @@ def _down_kernel(h_ref, wd_ref, o_ref, *, D, F, bd, bk, fs, masked, f32_dots):
     def step(kk, acc):  # this split's share of F in block_k chunks
         kr = pl.ds(s * fs + kk * bk, bk)
         return acc + kernel_dot(_load(h_ref, pl.ds(0, Mp), kr, Mp, F, masked), _load(wd_ref, dr, kr, D, F, masked),
-                                _C11, f32_dots)
+                                _C11, f32_dots, algo)
 
     acc = lax.fori_loop(0, fs // bk, step, jnp.zeros((Mp, bd), jnp.float32))
     if masked:
@@ -97,7 +97,7 @@ def _down_kernel(h_ref, wd_ref, o_ref, *, D, F, bd, bk, fs, masked, f32_dots):
 
 
 def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, block_d: int = 16, block_k: int = 64,
-                  splits: int = 4, num_warps: int = 4, interpret: bool = False):
+                  splits: int = 4, num_warps: int = 4, f32_algo: str = "ieee", interpret: bool = False):
     """The two-kernel SwiGLU (module docstring); same contract as `swiglu_ref` for M <= MAX_ROWS rows."""
     M, D = x_MD.shape
     F = w_gate_FD.shape[0]
@@ -119,7 +119,8 @@ def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, blo
         wg, wu = (jnp.pad(w, ((0, Fp - F), (0, Dp - D))) for w in (wg, wu))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, D=D, F=F, bf=block_f, bk=block_k, masked=masked, f32_dots=interpret),
+        functools.partial(_gate_up_kernel, D=D, F=F, bf=block_f, bk=block_k, masked=masked, f32_dots=interpret,
+                          algo=f32_algo),
         grid=(n_f,), in_specs=[full(x), full(wg), full(wu)],
         out_specs=pl.BlockSpec((Mp, wg.shape[0]), lambda j: (0, 0)),
         out_shape=jax.ShapeDtypeStruct((Mp, wg.shape[0]), x_MD.dtype),
@@ -127,11 +128,11 @@ def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, blo
         name="skinny_mlp_gate_up",
     )(x, wg, wu)
     return linear_pallas(h[:, :F], w_down_DF, block_n=block_d, block_k=block_k, splits=splits, num_warps=num_warps,
-                         interpret=interpret, name="skinny_mlp_down")[:M]
+                         f32_algo=f32_algo, interpret=interpret, name="skinny_mlp_down")[:M]
 
 
 def linear_pallas(x_MK, w_NK, *, block_n: int = 16, block_k: int = 64, splits: int = 1, num_warps: int = 4,
-                  interpret: bool = False, name: str = "skinny_linear"):
+                  f32_algo: str = "ieee", interpret: bool = False, name: str = "skinny_linear"):
     """x @ w.T for x [M, K] with M <= MAX_ROWS (padded rows are computed and dropped) -> [M, N] f32: the MLP's down
     kernel alone, for any projection of a few rows. Grid (N / block_n, splits); each split sums its 1/splits share
     of K in block_k chunks and the splits' partials are added in split order (fixed, so each row's bits do not
@@ -158,7 +159,8 @@ def linear_pallas(x_MK, w_NK, *, block_n: int = 16, block_k: int = 64, splits: i
         w = jnp.pad(w, ((0, Np - N), (0, Kp - K)))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     part = pl.pallas_call(
-        functools.partial(_down_kernel, D=N, F=K, bd=block_n, bk=block_k, fs=ks, masked=masked, f32_dots=interpret),
+        functools.partial(_down_kernel, D=N, F=K, bd=block_n, bk=block_k, fs=ks, masked=masked, f32_dots=interpret,
+                          algo=f32_algo),
         grid=(n_n, S), in_specs=[full(x), full(w)],
         out_specs=pl.BlockSpec((None, Mp, w.shape[0]), lambda i, s: (s, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((S, Mp, w.shape[0]), jnp.float32),
@@ -212,7 +214,8 @@ def _main():  # pragma: no cover - timing on the GPU
             ts.append(time.perf_counter() - t)
         return float(np.median(ts)) / n * 1e6
 
-    variants = {"default": {}, "bf32": dict(block_f=32), "splits2": dict(splits=2), "splits8": dict(splits=8)}
+    variants = {"default": {}, "bf32": dict(block_f=32), "splits2": dict(splits=2), "splits8": dict(splits=8),
+                "tf32x3": dict(f32_algo="tf32x3")}  # tf32x3: three TF32 tensor-core products (not IEEE f32)
     for M in (1, 9, 17):
         x = jax.random.normal(ks[3], (M, D), jnp.float32)
         r = jax.jit(swiglu_ref)(x, *w)
@@ -236,7 +239,8 @@ def _main():  # pragma: no cover - timing on the GPU
             t_ref = per_call_us(wide(lin_ref), x, wl) if on_gpu else float("nan")
             line = [f"linear {N}x{D} M={M:2d}: XLA {t_ref:6.1f}"]
             for name, kw in {"default": {}, "bn32": dict(block_n=32), "splits2": dict(splits=2),
-                             "bk32": dict(block_k=32)}.items():
+                             "bk32": dict(block_k=32),
+                             "tf32x3": dict(f32_algo="tf32x3")}.items():
                 f = functools.partial(linear_pallas, interpret=not on_gpu, **kw)
                 out = jax.jit(f)(x, wl)
                 err = float(jnp.max(jnp.abs(out - r)) / jnp.max(jnp.abs(r)))
