@@ -332,6 +332,8 @@ def main(argv=None) -> int:
         c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl,
                    commit_impl=args.commit_impl)
     hlo = c.as_text()
+    if os.environ.get("OFFLINE_HLO"):  # the optimized HLO text, for reading what a launch is
+        Path(os.environ["OFFLINE_HLO"]).write_text(hlo)
     if args.what == "round":  # per stage of the round, as scripts/profile_round.py groups them
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from profile_round import scope_key
