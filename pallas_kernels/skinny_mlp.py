@@ -56,44 +56,48 @@ def _load(ref, rows, cols, n_rows, n_cols, masked):
     return pltriton.load(ref.at[rows, cols], mask=(r < n_rows)[:, None] & (c < n_cols)[None, :], other=0.0)
 
 
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, D, F, bf, bk, masked, f32_dots, algo):
+def _store(ref, rows, cols, val, n_rows, n_cols, masked):
+    if not masked:
+        ref[rows, cols] = val
+        return
+    r = rows.start + lax.broadcasted_iota(jnp.int32, (rows.size,), 0)
+    c = cols.start + lax.broadcasted_iota(jnp.int32, (cols.size,), 0)
+    pltriton.store(ref.at[rows, cols], val, mask=(r < n_rows)[:, None] & (c < n_cols)[None, :])
+
+
+# x has M rows; the dots run on Mp = max(16, next_pow2(M)) (a Triton dot tile): on the GPU the rows past M are
+# masked loads (zeros) and masked stores, so no padded copy of x is made; interpret mode pads instead (the
+# interpreter cannot slice past an array's end).
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, Mp, D, F, bf, bk, masked, f32_dots, algo):
     j = pl.program_id(0)
-    Mp = x_ref.shape[0]
-    fr = pl.ds(j * bf, bf)
+    M = x_ref.shape[0]
+    fr, mr = pl.ds(j * bf, bf), pl.ds(0, Mp)
 
     def step(kk, acc):  # a traced chunk index: a static one past the end would fail the slice check
         acc_g, acc_u = acc
         kr = pl.ds(kk * bk, bk)
-        x = _load(x_ref, pl.ds(0, Mp), kr, Mp, D, masked)
+        x = _load(x_ref, mr, kr, M, D, masked)
         return (acc_g + kernel_dot(x, _load(wg_ref, fr, kr, F, D, masked), _C11, f32_dots, algo),
                 acc_u + kernel_dot(x, _load(wu_ref, fr, kr, F, D, masked), _C11, f32_dots, algo))
 
     zero = jnp.zeros((Mp, bf), jnp.float32)
     acc_g, acc_u = lax.fori_loop(0, -(-D // bk), step, (zero, zero))
     h = acc_g / (1.0 + jnp.exp(-acc_g)) * acc_u  # silu(g) * u
-    if masked:
-        c = j * bf + lax.broadcasted_iota(jnp.int32, (bf,), 0)
-        pltriton.store(h_ref.at[:, fr], h.astype(h_ref.dtype), mask=(c < F)[None, :])
-    else:
-        h_ref[:, fr] = h.astype(h_ref.dtype)
+    _store(h_ref, mr, fr, h.astype(h_ref.dtype), M, F, masked)
 
 
-def _down_kernel(h_ref, wd_ref, o_ref, *, D, F, bd, bk, fs, masked, f32_dots, algo):
+def _down_kernel(h_ref, wd_ref, o_ref, *, Mp, D, F, bd, bk, fs, masked, f32_dots, algo):
     i, s = pl.program_id(0), pl.program_id(1)
-    Mp = h_ref.shape[0]
-    dr = pl.ds(i * bd, bd)
+    M = h_ref.shape[0]
+    dr, mr = pl.ds(i * bd, bd), pl.ds(0, Mp)
 
     def step(kk, acc):  # this split's share of F in block_k chunks
         kr = pl.ds(s * fs + kk * bk, bk)
-        return acc + kernel_dot(_load(h_ref, pl.ds(0, Mp), kr, Mp, F, masked), _load(wd_ref, dr, kr, D, F, masked),
+        return acc + kernel_dot(_load(h_ref, mr, kr, M, F, masked), _load(wd_ref, dr, kr, D, F, masked),
                                 _C11, f32_dots, algo)
 
     acc = lax.fori_loop(0, fs // bk, step, jnp.zeros((Mp, bd), jnp.float32))
-    if masked:
-        c = i * bd + lax.broadcasted_iota(jnp.int32, (bd,), 0)
-        pltriton.store(o_ref.at[:, dr], acc, mask=(c < D)[None, :])
-    else:
-        o_ref[:, dr] = acc
+    _store(o_ref, mr, dr, acc, M, D, masked)
 
 
 def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, block_d: int = 16, block_k: int = 64,
@@ -110,30 +114,31 @@ def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, blo
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot tiles)")
     Mp = max(16, next_pow2(M))
     n_f = -(-F // block_f)
-    masked = bool(D % block_k or F % block_f)
-    x = jnp.pad(x_MD, ((0, Mp - M), (0, 0)))
-    wg, wu = w_gate_FD, w_up_FD
-    if interpret and masked:  # the interpreter cannot slice past an array's end; the GPU masks instead
+    masked = bool(D % block_k or F % block_f) or (M < Mp and not interpret)
+    x, wg, wu = x_MD, w_gate_FD, w_up_FD
+    if interpret:  # the interpreter cannot slice past an array's end; the GPU masks instead
         Dp, Fp = -(-D // block_k) * block_k, n_f * block_f
-        x = jnp.pad(x, ((0, 0), (0, Dp - D)))
+        x = jnp.pad(x, ((0, Mp - M), (0, Dp - D)))
         wg, wu = (jnp.pad(w, ((0, Fp - F), (0, Dp - D))) for w in (wg, wu))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, D=D, F=F, bf=block_f, bk=block_k, masked=masked, f32_dots=interpret,
-                          algo=f32_algo),
+        functools.partial(_gate_up_kernel, Mp=Mp, D=D, F=F, bf=block_f, bk=block_k, masked=masked,
+                          f32_dots=interpret, algo=f32_algo),
         grid=(n_f,), in_specs=[full(x), full(wg), full(wu)],
-        out_specs=pl.BlockSpec((Mp, wg.shape[0]), lambda j: (0, 0)),
-        out_shape=jax.ShapeDtypeStruct((Mp, wg.shape[0]), x_MD.dtype),
+        out_specs=pl.BlockSpec((x.shape[0], wg.shape[0]), lambda j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], wg.shape[0]), x_MD.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret,
         name="skinny_mlp_gate_up",
     )(x, wg, wu)
-    return linear_pallas(h[:, :F], w_down_DF, block_n=block_d, block_k=block_k, splits=splits, num_warps=num_warps,
-                         f32_algo=f32_algo, interpret=interpret, name="skinny_mlp_down")[:M]
+    if interpret:
+        h = h[:M, :F]
+    return linear_pallas(h, w_down_DF, block_n=block_d, block_k=block_k, splits=splits, num_warps=num_warps,
+                         f32_algo=f32_algo, interpret=interpret, name="skinny_mlp_down")
 
 
 def linear_pallas(x_MK, w_NK, *, block_n: int = 16, block_k: int = 64, splits: int = 1, num_warps: int = 4,
                   f32_algo: str = "ieee", interpret: bool = False, name: str = "skinny_linear"):
-    """x @ w.T for x [M, K] with M <= MAX_ROWS (padded rows are computed and dropped) -> [M, N] f32: the MLP's down
+    """x @ w.T for x [M, K] with M <= MAX_ROWS -> [M, N] f32: the MLP's down
     kernel alone, for any projection of a few rows. Grid (N / block_n, splits); each split sums its 1/splits share
     of K in block_k chunks and the splits' partials are added in split order (fixed, so each row's bits do not
     depend on the other rows)."""
@@ -150,20 +155,19 @@ def linear_pallas(x_MK, w_NK, *, block_n: int = 16, block_k: int = 64, splits: i
     n_n = -(-N // block_n)
     ks = -(-(-(-K // splits)) // block_k) * block_k  # each split's share of K, a multiple of block_k
     S = -(-K // ks)
-    masked = bool(K % block_k or N % block_n or K % ks)
-    x = jnp.pad(x_MK, ((0, Mp - M), (0, 0)))
-    w = w_NK
-    if interpret and masked:  # the interpreter cannot slice past an array's end; the GPU masks instead
+    masked = bool(K % block_k or N % block_n or K % ks) or (M < Mp and not interpret)
+    x, w = x_MK, w_NK
+    if interpret:  # the interpreter cannot slice past an array's end; the GPU masks instead
         Kp, Np = S * ks, n_n * block_n
-        x = jnp.pad(x, ((0, 0), (0, Kp - K)))
+        x = jnp.pad(x, ((0, Mp - M), (0, Kp - K)))
         w = jnp.pad(w, ((0, Np - N), (0, Kp - K)))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     part = pl.pallas_call(
-        functools.partial(_down_kernel, D=N, F=K, bd=block_n, bk=block_k, fs=ks, masked=masked, f32_dots=interpret,
-                          algo=f32_algo),
+        functools.partial(_down_kernel, Mp=Mp, D=N, F=K, bd=block_n, bk=block_k, fs=ks, masked=masked,
+                          f32_dots=interpret, algo=f32_algo),
         grid=(n_n, S), in_specs=[full(x), full(w)],
-        out_specs=pl.BlockSpec((None, Mp, w.shape[0]), lambda i, s: (s, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((S, Mp, w.shape[0]), jnp.float32),
+        out_specs=pl.BlockSpec((None, x.shape[0], w.shape[0]), lambda i, s: (s, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((S, x.shape[0], w.shape[0]), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret, name=name,
     )(x, w)
     out = part[0]
