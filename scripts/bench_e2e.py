@@ -80,9 +80,9 @@ def run_grid(args) -> dict:
     if args.mlp_impl != "xla" or args.proj_impl != "xla":  # experiment: pallas_kernels/skinny_mlp.py
         import dataclasses
         target = dataclasses.replace(target, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl)
-    if args.commit_impl != "xla":  # experiment: the commit as one kernel (the round reads the module attribute)
+    if args.commit_impl != "xla" or args.tree_impl != "xla":  # experiments: the round reads these attributes
         import kimijax.spec.round as spec_round
-        spec_round.commit_impl = args.commit_impl
+        spec_round.commit_impl, spec_round.tree_impl = args.commit_impl, args.tree_impl
     drafter = kimijax.load_drafter(args.drafter, target)
     chats = heldout_chats(target, args.prompts or Path(args.drafter) / "heldout_prompts.json", args.max_prompt_tokens)
     # HBM read roof in this run (GPU only) and the weight bytes a decode step must read at least once
@@ -96,7 +96,8 @@ def run_grid(args) -> dict:
     out_path = Path(args.out)
     this_call = dict(argv=sys.argv[1:], date=time.strftime("%Y-%m-%d %H:%M"), roof_bytes_per_s=roof,
                      xla_flags=os.environ.get("XLA_FLAGS", ""), compile_cache=args.compile_cache,
-                     mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl)
+                     mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl,
+                     tree_impl=args.tree_impl)
     res = json.loads(out_path.read_text()) if args.append and out_path.exists() else dict(
         script="scripts/bench_e2e.py", argv=sys.argv[1:], date=time.strftime("%Y-%m-%d"),
         device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, target=target.name,
@@ -233,6 +234,8 @@ def main(argv=None) -> int:
                    help="experiment: the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)")
     p.add_argument("--proj-impl", choices=["xla", "pallas", "interpret"], default="xla",
                    help="experiment: the target's q/k/v/o projections for passes of <= 64 rows (same file)")
+    p.add_argument("--tree-impl", choices=["xla", "pallas", "interpret"], default="xla",
+                   help="experiment: the tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py)")
     p.add_argument("--commit-impl", choices=["xla", "pallas", "interpret"], default="xla",
                    help="experiment: the cache commit as one kernel for all layers (pallas_kernels/row_move.py)")
     p.add_argument("--methods", type=parse_methods,

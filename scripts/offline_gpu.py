@@ -18,7 +18,7 @@ fusion decisions and kernel counts do not depend on autotuning except for GEMM f
   python scripts/offline_gpu.py kernels --what attn --tokens 1 --list     # the MLA block, launch by launch
   python scripts/offline_gpu.py kernels --what layer --tokens 1            # a whole Kimi MoE layer
   python scripts/offline_gpu.py sass --words [--config vector_loads=1]    # Mosaic GPU MoE: SASS + main loop
-  python scripts/offline_gpu.py kernels --what round --method ddtree:16 [--commit-impl pallas]   # per round
+  python scripts/offline_gpu.py kernels --what round --method ddtree:16 [--commit-impl pallas] [--tree-impl pallas]
 
 (PYTHONPATH=. and the side venv's python.) Measured this way (2026-12-07): the MLA block at T=1 over a 4k
 cache (donated, as in the model) was 19 launches, as the GPU profile of 2026-12-04 counted, and is 17 since
@@ -253,7 +253,7 @@ def _layer(T: int, L: int, impl: str):
 
 
 def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",
-           proj_impl: str = "xla", commit_impl: str = "xla"):
+           proj_impl: str = "xla", commit_impl: str = "xla", tree_impl: str = "xla"):
     """The Engine's chunk program (`rounds` decode rounds in the device loop) for the embedded default's shapes
     (SmolLM2-135M in float32 + a drafter with the committed drafter's config, random weights), with the GPU's
     attention kernel, as scripts/profile_round.py runs it. The start state is made on the CPU (reference
@@ -282,12 +282,13 @@ def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int 
     gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl, proj_impl=proj_impl))
     dparams = None if drafter is None else drafter.params
     from kimijax.spec import round as spec_round
-    spec_round.commit_impl, old = commit_impl, spec_round.commit_impl
+    old = spec_round.commit_impl, spec_round.tree_impl
+    spec_round.commit_impl, spec_round.tree_impl = commit_impl, tree_impl
     try:
         return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
                                static_argnums=(4, 5))
     finally:
-        spec_round.commit_impl = old
+        spec_round.commit_impl, spec_round.tree_impl = old
 
 
 def main(argv=None) -> int:
@@ -303,6 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp-impl", default="xla", help="round: the target's MLP (xla or pallas)")
     ap.add_argument("--proj-impl", default="xla", help="round: the target's attention projections (xla or pallas)")
     ap.add_argument("--commit-impl", default="xla", help="round: the cache commit (xla or pallas)")
+    ap.add_argument("--tree-impl", default="xla", help="round: the tree's best-first pops (xla or pallas)")
     ap.add_argument("--impl", default="pallas", help="attn: tree attention impl (pallas, xla, auto)")
     ap.add_argument("--context", type=int, default=4096, help="attn: cache slots L")
     ap.add_argument("--list", action="store_true", help="print every launch with its op_name")
@@ -330,7 +332,7 @@ def main(argv=None) -> int:
     else:
         name, _, b = args.method.partition(":")
         c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl,
-                   commit_impl=args.commit_impl)
+                   commit_impl=args.commit_impl, tree_impl=args.tree_impl)
     hlo = c.as_text()
     if os.environ.get("OFFLINE_HLO"):  # the optimized HLO text, for reading what a launch is
         Path(os.environ["OFFLINE_HLO"]).write_text(hlo)

@@ -186,6 +186,8 @@ def main(argv=None) -> int:
                     help="experiment: the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)")
     ap.add_argument("--f32-dots", default="highest", choices=("highest", "tf32x3", "bf16x6"),
                     help="experiment: the dot algorithm of a float32 target's matmuls (the Engine uses highest)")
+    ap.add_argument("--tree-impl", default="xla", choices=("xla", "pallas", "interpret"),
+                    help="experiment: the tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py)")
     ap.add_argument("--commit-impl", default="xla", choices=("xla", "pallas", "interpret"),
                     help="experiment: the cache commit as one kernel for all layers (pallas_kernels/row_move.py)")
     ap.add_argument("--all-depths", action="store_true",
@@ -219,15 +221,16 @@ def main(argv=None) -> int:
         alg = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6}[args.f32_dots]
         llama.matmul_precision = lambda dtype: alg if jax.numpy.dtype(dtype) == jax.numpy.float32 else None
-    if args.commit_impl != "xla":  # A/B: the commit's cache compaction (the round reads the module attribute)
+    if args.commit_impl != "xla" or args.tree_impl != "xla":  # A/B: the round reads these module attributes
         from kimijax.spec import round as spec_round
-        spec_round.commit_impl = args.commit_impl
+        spec_round.commit_impl, spec_round.tree_impl = args.commit_impl, args.tree_impl
     dev = jax.devices()[0]
     target, drafter = load_models(args)
     res = dict(script="scripts/profile_round.py", argv=sys.argv[1:] if argv is None else argv,
                date=time.strftime("%Y-%m-%d"), device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__,
                xla_flags=os.environ.get("XLA_FLAGS", ""), gqa_kwargs=args.gqa_kwargs, f32_dots=args.f32_dots,
-               mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl, target=target.name, dtype=args.dtype, rows=[])
+               mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl,
+               tree_impl=args.tree_impl, target=target.name, dtype=args.dtype, rows=[])
     res["attn_impl"] = target.attn_impl
     res["weights_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(target.params))
     if dev.platform == "gpu":  # the HBM read roof in this run: an AR step must read the weights at least once

@@ -25,7 +25,8 @@ a `lax.fori_loop` pops the best slot with one variadic reduce over the state's c
 lexicographic rank path), emits the node and writes the two changed slots (the popped one's next sibling,
 the new node's first child) in one select: two kernel launches per step on the GPU. Work O(N (N + L)) per
 request; no scatters in the loop body, so it vmaps cleanly and compiles fast. NaN draft logits are not
-supported (they break the total order).
+supported (they break the total order). The pops live in pallas_kernels/ddtree_frontier.py: this XLA loop
+(`frontier_ref`) and the same pops as one kernel per request (opt-in: kimijax/spec/round.py `tree_impl`).
 
 Tree layout (N+1 slots, root = the bonus token at index 0, drafted nodes 1..N in pop order, so parents
 always precede children and siblings appear in rank order):
@@ -53,6 +54,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import ddtree_frontier
 
 __all__ = ["Tree", "build_tree", "build_tree_batched", "build_tree_from_topk", "chain_tree", "topk_logprobs", "tree_width"]
 
@@ -110,21 +113,7 @@ def _links(parents_N1, valid_N1):
     return to_link(first), jnp.where(valid_N1, to_link(nxt), -1)
 
 
-def _pick_better(n_keys: int, a, b):
-    """Combiner for the frontier pop over tuples (live, score, rank path..., slot, payload...): keep the entry
-    whose (live, score, -rank path..., -slot) is lexicographically larger; payload rides along. The key is a
-    total order (slots are unique), so the reduction is associative and commutative as XLA requires."""
-    better = a[0] & ~b[0]
-    tie = a[0] == b[0]
-    better |= tie & (a[1] > b[1])
-    tie &= a[1] == b[1]
-    for x, y in zip(a[2:n_keys], b[2:n_keys]):  # rank path columns, then the slot index: smaller wins
-        better |= tie & (x < y)
-        tie &= x == y
-    return tuple(jnp.where(better, x, y) for x, y in zip(a, b))
-
-
-def build_tree_from_topk(top_logp_LK, top_tokens_LK, budget: int) -> Tree:
+def build_tree_from_topk(top_logp_LK, top_tokens_LK, budget: int, frontier_impl: str = "xla") -> Tree:
     """Best-first tree from per-depth top-K (log-probs sorted descending, with their token ids).
 
     Split out of `build_tree` so a tensor-parallel caller can merge per-shard top-K instead of gathering
@@ -138,71 +127,10 @@ def build_tree_from_topk(top_logp_LK, top_tokens_LK, budget: int) -> Tree:
     top_logp_LK = top_logp_LK.astype(jnp.float32)
     top_tokens_LK = top_tokens_LK.astype(jnp.int32)
     idx_N1 = jnp.arange(n1, dtype=jnp.int32)
-    depth_iota_L = jnp.arange(L, dtype=jnp.int32)
-
-    # Per-slot state packed in one int32 [N+1, 6+2L] array, so a step is one reduce over plain column slices and
-    # one select that writes the next state (~2 kernel launches per step on the GPU once the loop is unrolled):
-    # parent, depth, rank, next candidate child's rank (the frontier slot), the node's path score (f32 bits),
-    # the candidate's score (f32 bits, -inf if none), the node's rank path, the candidate's rank path.
-    PAR, DEP, RNK, NXT, SC, CSC, RP = 0, 1, 2, 3, 4, 5, 6
-    CP = RP + L
-    as_bits = lambda x: jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.int32)
-    as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
-    ninf = as_bits(-jnp.inf)
-    with jax.named_scope("ddtree_frontier"):
-        # rank path row = (r_1 + 1, ..., r_d + 1, 0, ...): +1 so a tuple sorts before its extensions under a
-        # plain lexicographic integer compare. NXT = K means no pending candidate child (exhausted, at depth L,
-        # or not emitted); its candidate score is then -inf.
-        empty_row = jnp.concatenate([jnp.array([-1, 0, -1, K], jnp.int32), ninf[None], ninf[None],
-                                     jnp.zeros((2 * L,), jnp.int32)])
-        root = empty_row.at[NXT].set(0).at[SC].set(as_bits(0.0)).at[CSC].set(as_bits(top_logp_LK[0, 0]))
-        root = root.at[CP].set(1)  # the root's candidate: rank 0 at depth 1
-        meta0 = jnp.tile(empty_row[None, :], (n1, 1)).at[0].set(root)
-
-        def candidate(score, path, depth, rank):
-            """(live, score bits, rank path) of the child candidate at 0-based depth row `depth`, `rank`."""
-            live = (rank < K) & (depth < L)
-            sc = jnp.where(live, score + top_logp_LK[jnp.clip(depth, 0, L - 1), jnp.clip(rank, 0, K - 1)], -jnp.inf)
-            cpath = path + jnp.where((depth_iota_L == depth) & live, rank + 1, 0)
-            return live, as_bits(sc), cpath
-
-        def step(t, meta):
-            # Pop = max candidate score, then lexicographically smallest candidate ranks tuple (the reference
-            # heap's tuple order), as one variadic reduce over the state's columns. Keys are unique per live
-            # slot; the slot index only orders the dead ones. Candidate fields ride along, so the winner needs
-            # no gathers (and the step has no scatters: writes are one-hot selects, cheap under vmap).
-            cand_ok = meta[:, NXT] < K
-            ops = (cand_ok, as_f32(meta[:, CSC]), *[meta[:, CP + d] for d in range(L)], idx_N1, meta[:, DEP],
-                   meta[:, NXT], meta[:, SC])
-            init = ((jnp.bool_(False), jnp.float32(-jnp.inf)) + (jnp.int32(0),) * L
-                    + (jnp.int32(n1), jnp.int32(0), jnp.int32(0), jnp.int32(0)))
-            won = jax.lax.reduce(ops, init, functools.partial(_pick_better, L + 3), (0,))
-            any_live, score_n, path_n = won[0], won[1], jnp.stack(won[2:2 + L])
-            p, depth_p, r_new, psc = won[2 + L:]
-            i = t + 1  # the new node's index = pop order
-            d_new = depth_p + 1
-            # the new node i: its first child is its candidate
-            c_live, c_sc, c_path = candidate(score_n, path_n, d_new, jnp.int32(0))
-            row_i = jnp.concatenate([jnp.stack([p, d_new, r_new, jnp.where(c_live, 0, K), as_bits(score_n), c_sc]),
-                                     path_n, c_path])
-            # the popped slot p moves on to its next sibling (exhausted at rank K)
-            par_path = path_n - jnp.where(depth_iota_L == depth_p, r_new + 1, 0)
-            s_live, s_sc, s_path = candidate(as_f32(psc), par_path, depth_p, r_new + 1)
-            at_i, at_p = idx_N1 == i, (idx_N1 == p) & any_live
-            col = jnp.arange(meta.shape[1])
-            row_p = jnp.where(col == NXT, jnp.where(s_live, r_new + 1, K), jnp.where(col == CSC, s_sc, 0))
-            row_p = jnp.where(col >= CP, jnp.concatenate([jnp.zeros((CP,), jnp.int32), s_path]), row_p)
-            keep_p = (col == NXT) | (col == CSC) | (col >= CP)
-            meta = jnp.where(at_p[:, None] & keep_p[None, :], row_p[None, :], meta)
-            return jnp.where(at_i[:, None], jnp.where(any_live, row_i, empty_row)[None, :], meta)
-
-        # Unrolled for small budgets (a device while loop costs launches per step and splits command
-        # buffers); large budgets keep the loop to bound compile time.
-        meta = jax.lax.fori_loop(0, N, step, meta0, unroll=True if N <= 32 else 8)
-        scores = as_f32(meta[:, SC])
+    with jax.named_scope("ddtree_frontier"):  # the N pops (pallas_kernels/ddtree_frontier.py: XLA or one kernel)
+        parents, depths, ranks, scores = ddtree_frontier.frontier(top_logp_LK, N, frontier_impl)
 
     with jax.named_scope("ddtree_layout"):
-        parents, depths, ranks = meta[:, PAR], meta[:, DEP], meta[:, RNK]
         valid = (idx_N1 == 0) | (parents >= 0)
         tokens = jnp.where(valid & (idx_N1 > 0),
                            top_tokens_LK[jnp.clip(depths - 1, 0, L - 1), jnp.clip(ranks, 0, K - 1)], -1)

@@ -23,6 +23,10 @@ from kimijax.target import compact_caches
 # until a GPU run measures the kernel: scripts/profile_round.py --commit-impl pallas. Set it before the first
 # Engine is built: compiled programs are reused.
 commit_impl = "xla"
+# The tree's N best-first pops: "xla" (2 launches per node) or "pallas" (one kernel, pallas_kernels/ddtree_frontier.py:
+# a SmolLM2 b16 round's tree stage goes from 40 to 9 launches, counted offline). XLA until a GPU run measures the
+# kernel: scripts/profile_round.py --tree-impl pallas. Same rule as commit_impl: set it before the first Engine.
+tree_impl = "xla"
 
 
 class SpecRound:
@@ -82,7 +86,8 @@ class SpecRound:
                 top_logp_BLK, top_tokens_BLK = tree_topk(draft_logits_BLV, K)
             # From draft_depths rows the tree is the same as from all L (tested); its max_depth (draft_depths)
             # sets the walk's steps and the emitted width max_commit.
-            return jax.vmap(lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes))(top_logp_BLK, top_tokens_BLK)
+            build = lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes, frontier_impl=tree_impl)
+            return jax.vmap(build)(top_logp_BLK, top_tokens_BLK)
         return jax.vmap(ddtree.chain_tree)(draft_logits_BLV)
 
     def draft(self, dparams, params, dcache, S_B, bonus_B):
