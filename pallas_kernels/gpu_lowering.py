@@ -16,6 +16,7 @@ def triton_ir(fn, *args) -> dict[str, str]:
 
     def capture(jaxpr, *a, **k):
         res = lower(jaxpr, *a, **k)
+        res.module.operation.verify()  # what XLA's parse of the module checks first (e.g. select operand types)
         captured[jaxpr.debug_info.func_name] = res.module.operation.get_asm()
         return res
 
