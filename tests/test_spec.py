@@ -213,3 +213,23 @@ def test_one_kernel_commit_is_lossless(setup, monkeypatch):
     res = Engine(target, oracle, method="ddtree", budget=6).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
     assert [r.tokens for r in res] == [a.tokens for a in ar]
     assert max(x for r in res for x in r.acceptance_lengths) > 2
+
+
+def test_one_kernel_tree_is_lossless(setup, monkeypatch):
+    """The tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py, interpret mode) inside the
+    Engine's round: same tokens as AR, and the same acceptance lengths as the XLA pops (the same trees)."""
+    from kimijax.spec import round as spec_round
+
+    target, d, prompts = setup
+    ar = Engine(target).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
+    seqs = np.zeros((2, 64), np.int32)
+    for b, (p, r) in enumerate(zip(prompts, ar)):
+        seqs[b, : len(p) + len(r.tokens)] = p + r.tokens
+    runs = []
+    for impl in ("xla", "interpret"):
+        monkeypatch.setattr(spec_round, "tree_impl", impl)
+        oracle = OracleDrafter(d, seqs, noise=2.5)  # a new drafter object: its own compiled programs
+        runs.append(Engine(target, oracle, method="ddtree", budget=6).generate(prompts[:2], max_new_tokens=24,
+                                                                              stop_ids=[]))
+    assert [r.tokens for r in runs[1]] == [a.tokens for a in ar]
+    assert [r.acceptance_lengths for r in runs[1]] == [r.acceptance_lengths for r in runs[0]]
