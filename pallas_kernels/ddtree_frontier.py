@@ -6,10 +6,11 @@ The XLA form (`frontier_ref`) pops with one variadic reduce and rewrites two slo
 program per request runs all N pops on vectors of N+1 slots held in registers (one slot per lane):
 
   state per slot: parent, depth, rank, next candidate child's rank (K = none), node score, candidate score,
-                  the candidate's rank path (L vectors, ranks + 1, 0 = unused)
-  a pop:          max candidate score over the live slots, then the smallest candidate rank path column by
-                  column, then the smallest slot: the reference's key (ddtree.py "Tie-break"), as L + 2 masked
-                  reductions; the winner's fields are read with one-hot reductions (no gathers)
+                  the candidate's rank path (an [L, slots] tile: ranks + 1, 0 = unused)
+  a pop:          max candidate score over the live slots, then (only if several slots tie on it) the
+                  smallest candidate rank path depth by depth, then the smallest slot: the reference's key
+                  (ddtree.py "Tie-break") as masked reductions; the winner's fields, its rank path included,
+                  are read with one-hot reductions (no gathers): ~13 reductions per pop without ties
   candidates:     a child's score is parent score + logp[depth, rank] in that order (the same f32 sums)
 
 Same parents, depths, ranks and scores as `frontier_ref`, bit for bit (tests: random logits, ties, tiny V).
@@ -145,19 +146,30 @@ def _frontier_kernel(logp_ref, par_ref, dep_ref, rnk_ref, sc_ref, *, N, L, K, Lp
     def pick_f(v, p):  # v[p], f32 vector (exact)
         return jnp.max(jnp.where(idx == p, v, ninf))
 
-    def candidate(score, path, depth, rank):
+    i32 = jnp.int32  # explicit: a where over two Python ints lowers to an i1 select in Triton (jax 0.11.2)
+    lvec = lax.broadcasted_iota(jnp.int32, (Lp,), 0)
+    lrow = lax.broadcasted_iota(jnp.int32, (Lp, n1p), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (Lp, n1p), 1)
+
+    def candidate(score, path_L, depth, rank):  # path_L: a rank path as an [Lp] vector
         live = (rank < K) & (depth < L)
         sc = jnp.where(live, score + lookup(jnp.clip(depth, 0, L - 1), jnp.clip(rank, 0, K - 1)), ninf)
-        return live, sc, [c + jnp.where((d == depth) & live, rank + 1, jnp.int32(0)) for d, c in enumerate(path)]
+        return live, sc, path_L + jnp.where((lvec == depth) & live, rank + 1, i32(0))
+
+    def tiebreak(tie, cp):  # equal best scores: the smallest candidate rank path, depth by depth
+        for d in range(L):
+            c = jnp.sum(jnp.where(lrow == d, cp, i32(0)), axis=0)
+            tie = tie & (c == jnp.min(jnp.where(tie, c, i32(_BIG))))
+        return tie
 
     full_i = lambda x: jnp.full((n1p,), x, jnp.int32)
     root = idx == 0
     par, dep, rnk = full_i(-1), full_i(0), full_i(-1)
-    i32 = jnp.int32  # explicit: a where over two Python ints lowers to an i1 select in Triton (jax 0.11.2)
     nxt = jnp.where(root, i32(0), i32(K))
     sc = jnp.where(root, jnp.float32(0.0), ninf)
     csc = jnp.where(root, lookup(0, 0), ninf)
-    cp = [jnp.where(root & (d == 0), i32(1), i32(0)) for d in range(L)]  # the root's candidate: rank 0 at depth 1
+    # candidate rank paths, depth rows x slot lanes; the root's candidate is rank 0 at depth 1
+    cp = jnp.where((lrow == 0) & (lane == 0), i32(1), i32(0))
 
     def step(t, st):
         par, dep, rnk, nxt, sc, csc, cp = st
@@ -165,26 +177,26 @@ def _frontier_kernel(logp_ref, par_ref, dep_ref, rnk_ref, sc_ref, *, N, L, K, Lp
         any_live = jnp.max(live.astype(jnp.int32)) > 0
         best = jnp.max(jnp.where(live, csc, ninf))
         tie = live & (csc == best)
-        for c in cp:  # the smallest candidate rank path, column by column
-            tie = tie & (c == jnp.min(jnp.where(tie, c, i32(_BIG))))
+        # exact score ties are rare with real logits: the depth-by-depth path compare runs only when needed
+        tie = lax.cond(jnp.sum(tie.astype(jnp.int32)) > 1, tiebreak, lambda x, _: x, tie, cp)
         p = jnp.min(jnp.where(tie, idx, i32(_BIG)))
         depth_p, r_new, psc, score_n = pick_i(dep, p), pick_i(nxt, p), pick_f(sc, p), pick_f(csc, p)
-        path_n = [pick_i(c, p) for c in cp]
+        path_n = jnp.sum(jnp.where(lane == p, cp, i32(0)), axis=1)  # [Lp], one reduction
         i = t + 1
         d_new = depth_p + 1
         c_live, c_sc, c_path = candidate(score_n, path_n, d_new, jnp.int32(0))
-        par_path = [c - jnp.where(d == depth_p, r_new + 1, i32(0)) for d, c in enumerate(path_n)]
+        par_path = path_n - jnp.where(lvec == depth_p, r_new + 1, i32(0))
         s_live, s_sc, s_path = candidate(psc, par_path, depth_p, r_new + 1)
         at_p = (idx == p) & any_live  # the popped slot moves on to its next sibling
         nxt = jnp.where(at_p, jnp.where(s_live, r_new + 1, i32(K)), nxt)
         csc = jnp.where(at_p, s_sc, csc)
-        cp = [jnp.where(at_p, s, c) for s, c in zip(s_path, cp)]
+        cp = jnp.where(at_p[None, :], s_path[:, None], cp)
         at_i = idx == i  # the new node (an empty slot when nothing was live)
         put = lambda new, empty, old: jnp.where(at_i, jnp.where(any_live, new, empty), old)
         par, dep, rnk = put(p, i32(-1), par), put(d_new, i32(0), dep), put(r_new, i32(-1), rnk)
         nxt = put(jnp.where(c_live, i32(0), i32(K)), i32(K), nxt)
         sc, csc = put(score_n, ninf, sc), put(c_sc, ninf, csc)
-        cp = [put(a, i32(0), c) for a, c in zip(c_path, cp)]
+        cp = jnp.where(at_i[None, :], jnp.where(any_live, c_path, i32(0))[:, None], cp)
         return par, dep, rnk, nxt, sc, csc, cp
 
     par, dep, rnk, _, sc, _, _ = lax.fori_loop(0, N, step, (par, dep, rnk, nxt, sc, csc, cp))
