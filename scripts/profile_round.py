@@ -32,6 +32,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent))
 sys.path.insert(0, str(_HERE))
 
+import kernel_switches  # noqa: E402
+
 STAGES = ("draft", "tree", "verify", "accept", "commit")
 
 
@@ -87,8 +89,7 @@ def load_models(args):
         target = load_llama_gguf(None if args.gguf == "default" else args.gguf, dtype=args.dtype, progress=True)
     else:
         target = random_llama_target(dataclasses.replace(SMOLLM2_135M, dtype=args.dtype), seed=args.seed)
-    if args.mlp_impl != "xla" or args.proj_impl != "xla":  # A/B: the skinny kernels for passes of <= 64 rows
-        target = dataclasses.replace(target, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl)
+    target = kernel_switches.apply(args, target)  # opt-in kernels (A/B; all XLA by default)
     if args.random_drafter:  # the drafter's config with random weights: same kernels, no weight files needed
         from kimijax.models.drafter import DrafterConfig, random_drafter
         hf = json.loads((Path(args.drafter) / "config.json").read_text())
@@ -179,17 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default=None, help="drafter directory (default: the committed SmolLM2 drafter)")
     ap.add_argument("--random-drafter", action="store_true",
                     help="random weights in the drafter's config (round time does not depend on them)")
-    ap.add_argument("--proj-impl", default="xla", choices=("xla", "pallas", "interpret"),
-                    help="experiment: the target's q/k/v/o projections for passes of <= 64 rows "
-                         "(pallas_kernels/skinny_mlp.py linear_pallas)")
-    ap.add_argument("--mlp-impl", default="xla", choices=("xla", "pallas", "interpret"),
-                    help="experiment: the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)")
+    kernel_switches.add_args(ap)
     ap.add_argument("--f32-dots", default="highest", choices=("highest", "tf32x3", "bf16x6"),
                     help="experiment: the dot algorithm of a float32 target's matmuls (the Engine uses highest)")
-    ap.add_argument("--tree-impl", default="xla", choices=("xla", "pallas", "interpret"),
-                    help="experiment: the tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py)")
-    ap.add_argument("--commit-impl", default="xla", choices=("xla", "pallas", "interpret"),
-                    help="experiment: the cache commit as one kernel for all layers (pallas_kernels/row_move.py)")
     ap.add_argument("--all-depths", action="store_true",
                     help="experiment: draft logits for all block_size-1 depths, not just the budget's")
     ap.add_argument("--dtype", default="float32", help="target dtype (float32 is what the CLI serves)")
@@ -221,16 +214,12 @@ def main(argv=None) -> int:
         alg = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6}[args.f32_dots]
         llama.matmul_precision = lambda dtype: alg if jax.numpy.dtype(dtype) == jax.numpy.float32 else None
-    if args.commit_impl != "xla" or args.tree_impl != "xla":  # A/B: the round reads these module attributes
-        from kimijax.spec import round as spec_round
-        spec_round.commit_impl, spec_round.tree_impl = args.commit_impl, args.tree_impl
     dev = jax.devices()[0]
     target, drafter = load_models(args)
     res = dict(script="scripts/profile_round.py", argv=sys.argv[1:] if argv is None else argv,
                date=time.strftime("%Y-%m-%d"), device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__,
                xla_flags=os.environ.get("XLA_FLAGS", ""), gqa_kwargs=args.gqa_kwargs, f32_dots=args.f32_dots,
-               mlp_impl=args.mlp_impl, proj_impl=args.proj_impl, commit_impl=args.commit_impl,
-               tree_impl=args.tree_impl, target=target.name, dtype=args.dtype, rows=[])
+               **kernel_switches.chosen(args), target=target.name, dtype=args.dtype, rows=[])
     res["attn_impl"] = target.attn_impl
     res["weights_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(target.params))
     if dev.platform == "gpu":  # the HBM read roof in this run: an AR step must read the weights at least once

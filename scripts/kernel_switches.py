@@ -1,0 +1,43 @@
+"""The opt-in kernels a script can switch on for an A/B (each off by default until a GPU run shows it pays):
+the target's skinny MLP and projection kernels (pallas_kernels/skinny_mlp.py, LlamaTarget fields) and the
+round's one-kernel tree pops and cache commit (kimijax/spec/round.py module switches, read when an Engine
+compiles its programs). One set of flags for profile_round.py, bench_e2e.py and offline_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+IMPLS = ("xla", "pallas", "interpret")
+SWITCHES = {  # flag -> what it switches
+    "mlp_impl": "the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)",
+    "proj_impl": "the target's q/k/v/o projections for passes of <= 64 rows (skinny_mlp.linear_pallas)",
+    "tree_impl": "the tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py)",
+    "commit_impl": "the cache commit as one kernel for all layers (pallas_kernels/row_move.py)",
+}
+
+
+def add_args(parser) -> None:
+    for name, what in SWITCHES.items():
+        parser.add_argument("--" + name.replace("_", "-"), default="xla", choices=IMPLS, help="experiment: " + what)
+
+
+def chosen(args) -> dict:
+    """{switch: impl} for the JSON record."""
+    return {name: getattr(args, name) for name in SWITCHES}
+
+
+def set_round(commit_impl: str = "xla", tree_impl: str = "xla") -> tuple[str, str]:
+    """Set the round's switches (before the first Engine compiles); returns the previous values."""
+    from kimijax.spec import round as spec_round
+
+    old = spec_round.commit_impl, spec_round.tree_impl
+    spec_round.commit_impl, spec_round.tree_impl = commit_impl, tree_impl
+    return old
+
+
+def apply(args, target):
+    """Switch what `args` asks for: the round's module switches, and a copy of `target` with its kernels."""
+    set_round(args.commit_impl, args.tree_impl)
+    if args.mlp_impl != "xla" or args.proj_impl != "xla":
+        target = dataclasses.replace(target, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl)
+    return target
