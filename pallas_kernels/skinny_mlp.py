@@ -1,16 +1,18 @@
 """SwiGLU MLP of a few rows (a decode step or a small tree verify) as two Pallas kernels.
 
-y = (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T for x [M, D] with M <= 64 (SmolLM2: D = 576, F = 1536).
+y = (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T for x [M, D] with M <= 256 (SmolLM2: D = 576, F = 1536);
+more than 64 rows (a verify at concurrency 8-32) run as row blocks of 64, each reading the weights again.
 
 Why a kernel (an experiment, not wired into the models yet): at one request a SmolLM2 round is launch-bound and
 its 17-token verify costs about two AR steps (2.2-2.5 ms against 1.1 ms on an H100, BENCHMARKS.md 2026-12-07).
 XLA runs this MLP as gate GEMM, up GEMM, silu*mul fusion and down GEMM; at 17 rows the f32 GEMMs are cuBLAS
 SIMT kernels with 32x32 tiles, ~48 CTAs for 132 SMs, 5-6 us each against 2-4 us for the one-row GEMVs. Here:
 
-  gate_up  grid (F / block_f,): program j reads x whole and rows j*block_f.. of w_gate and w_up, walks D in
-           block_k chunks, and writes h[:, j-block] = silu(g) * u. One kernel for two GEMMs and the fusion.
-  down     grid (D / block_d, splits): program (i, s) sums h[:, f] w_down[i-block, f] over its 1/splits share of
-           F; the splits' f32 partials are added by XLA in split order (deterministic; no atomics).
+  gate_up  grid (F / block_f, row blocks): program j reads its rows of x and rows j*block_f.. of w_gate and
+           w_up, walks D in block_k chunks, and writes h[:, j-block] = silu(g) * u. One kernel for two GEMMs
+           and the fusion.
+  down     grid (D / block_d, splits, row blocks): program (i, s) sums h[:, f] w_down[i-block, f] over its
+           1/splits share of F; the splits' f32 partials are added by XLA in split order (deterministic).
            `linear_pallas` is this kernel alone, for any projection of a few rows (the Llama target's q/k/v/o
            with `proj_impl`).
 
@@ -35,7 +37,19 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.tree_attention import kernel_dot, next_pow2
 
-MAX_ROWS = 64  # more rows than this are not "a few": XLA's GEMMs are the better tool there
+MAX_ROWS = 256  # more rows than this are not "a few" (prefill chunks): XLA's GEMMs are the better tool there
+BLOCK_M = 64  # rows per program: a pass of more rows is split into row blocks of this many
+
+
+def row_blocks(M: int) -> tuple[int, int]:
+    """(rows per program Mp, row blocks): one block of max(16, next_pow2(M)) rows up to BLOCK_M rows (a Triton
+    dot tile is >= 16 rows), else blocks of BLOCK_M. Every block sums over K in the same order, so a row's bits
+    still do not depend on how many other rows the pass has."""
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"{M} rows: this kernel is for 1..{MAX_ROWS} rows (use the XLA path)")
+    if M <= BLOCK_M:
+        return max(16, next_pow2(M)), 1
+    return BLOCK_M, -(-M // BLOCK_M)
 _C11 = (((1,), (1,)), ((), ()))  # a @ b.T
 
 
@@ -69,9 +83,9 @@ def _store(ref, rows, cols, val, n_rows, n_cols, masked):
 # masked loads (zeros) and masked stores, so no padded copy of x is made; interpret mode pads instead (the
 # interpreter cannot slice past an array's end).
 def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, Mp, D, F, bf, bk, masked, f32_dots, algo):
-    j = pl.program_id(0)
+    j, r = pl.program_id(0), pl.program_id(1)
     M = x_ref.shape[0]
-    fr, mr = pl.ds(j * bf, bf), pl.ds(0, Mp)
+    fr, mr = pl.ds(j * bf, bf), pl.ds(r * Mp, Mp)
 
     def step(kk, acc):  # a traced chunk index: a static one past the end would fail the slice check
         acc_g, acc_u = acc
@@ -87,9 +101,9 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, h_ref, *, Mp, D, F, bf, bk, masked, f
 
 
 def _down_kernel(h_ref, wd_ref, o_ref, *, Mp, D, F, bd, bk, fs, masked, f32_dots, algo):
-    i, s = pl.program_id(0), pl.program_id(1)
+    i, s, r = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     M = h_ref.shape[0]
-    dr, mr = pl.ds(i * bd, bd), pl.ds(0, Mp)
+    dr, mr = pl.ds(i * bd, bd), pl.ds(r * Mp, Mp)
 
     def step(kk, acc):  # this split's share of F in block_k chunks
         kr = pl.ds(s * fs + kk * bk, bk)
@@ -107,25 +121,23 @@ def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, blo
     F = w_gate_FD.shape[0]
     if w_gate_FD.shape != (F, D) or w_up_FD.shape != (F, D) or w_down_DF.shape != (D, F):
         raise ValueError(f"MLP weights {w_gate_FD.shape}, {w_up_FD.shape}, {w_down_DF.shape} do not fit x {x_MD.shape}")
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"{M} rows: this kernel is for 1..{MAX_ROWS} rows (use the XLA path)")
+    Mp, n_m = row_blocks(M)
     for name, b in (("block_f", block_f), ("block_d", block_d), ("block_k", block_k)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name}={b} must be a power of two >= 16 (Triton dot tiles)")
-    Mp = max(16, next_pow2(M))
     n_f = -(-F // block_f)
-    masked = bool(D % block_k or F % block_f) or (M < Mp and not interpret)
+    masked = bool(D % block_k or F % block_f) or (M < n_m * Mp and not interpret)
     x, wg, wu = x_MD, w_gate_FD, w_up_FD
     if interpret:  # the interpreter cannot slice past an array's end; the GPU masks instead
         Dp, Fp = -(-D // block_k) * block_k, n_f * block_f
-        x = jnp.pad(x, ((0, Mp - M), (0, Dp - D)))
+        x = jnp.pad(x, ((0, n_m * Mp - M), (0, Dp - D)))
         wg, wu = (jnp.pad(w, ((0, Fp - F), (0, Dp - D))) for w in (wg, wu))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, Mp=Mp, D=D, F=F, bf=block_f, bk=block_k, masked=masked,
                           f32_dots=interpret, algo=f32_algo),
-        grid=(n_f,), in_specs=[full(x), full(wg), full(wu)],
-        out_specs=pl.BlockSpec((x.shape[0], wg.shape[0]), lambda j: (0, 0)),
+        grid=(n_f, n_m), in_specs=[full(x), full(wg), full(wu)],
+        out_specs=pl.BlockSpec((x.shape[0], wg.shape[0]), lambda j, r: (0, 0)),
         out_shape=jax.ShapeDtypeStruct((x.shape[0], wg.shape[0]), x_MD.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret,
         name="skinny_mlp_gate_up",
@@ -139,34 +151,32 @@ def swiglu_pallas(x_MD, w_gate_FD, w_up_FD, w_down_DF, *, block_f: int = 16, blo
 def linear_pallas(x_MK, w_NK, *, block_n: int = 16, block_k: int = 64, splits: int = 1, num_warps: int = 4,
                   f32_algo: str = "ieee", interpret: bool = False, name: str = "skinny_linear"):
     """x @ w.T for x [M, K] with M <= MAX_ROWS -> [M, N] f32: the MLP's down
-    kernel alone, for any projection of a few rows. Grid (N / block_n, splits); each split sums its 1/splits share
-    of K in block_k chunks and the splits' partials are added in split order (fixed, so each row's bits do not
+    kernel alone, for any projection of a few rows. Grid (N / block_n, splits, row blocks); each split sums its
+    1/splits share of K in block_k chunks and the splits' partials are added in split order (fixed, so each row's bits do not
     depend on the other rows)."""
     M, K = x_MK.shape
     N = w_NK.shape[0]
     if w_NK.shape != (N, K):
         raise ValueError(f"weight {w_NK.shape} does not fit x {x_MK.shape}")
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"{M} rows: this kernel is for 1..{MAX_ROWS} rows (use the XLA path)")
+    Mp, n_m = row_blocks(M)
     for nm, b in (("block_n", block_n), ("block_k", block_k)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{nm}={b} must be a power of two >= 16 (Triton dot tiles)")
-    Mp = max(16, next_pow2(M))
     n_n = -(-N // block_n)
     ks = -(-(-(-K // splits)) // block_k) * block_k  # each split's share of K, a multiple of block_k
     S = -(-K // ks)
-    masked = bool(K % block_k or N % block_n or K % ks) or (M < Mp and not interpret)
+    masked = bool(K % block_k or N % block_n or K % ks) or (M < n_m * Mp and not interpret)
     x, w = x_MK, w_NK
     if interpret:  # the interpreter cannot slice past an array's end; the GPU masks instead
         Kp, Np = S * ks, n_n * block_n
-        x = jnp.pad(x, ((0, Mp - M), (0, Kp - K)))
+        x = jnp.pad(x, ((0, n_m * Mp - M), (0, Kp - K)))
         w = jnp.pad(w, ((0, Np - N), (0, Kp - K)))
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     part = pl.pallas_call(
         functools.partial(_down_kernel, Mp=Mp, D=N, F=K, bd=block_n, bk=block_k, fs=ks, masked=masked,
                           f32_dots=interpret, algo=f32_algo),
-        grid=(n_n, S), in_specs=[full(x), full(w)],
-        out_specs=pl.BlockSpec((None, x.shape[0], w.shape[0]), lambda i, s: (s, 0, 0)),
+        grid=(n_n, S, n_m), in_specs=[full(x), full(w)],
+        out_specs=pl.BlockSpec((None, x.shape[0], w.shape[0]), lambda i, s, r: (s, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((S, x.shape[0], w.shape[0]), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2), interpret=interpret, name=name,
     )(x, w)
@@ -220,7 +230,7 @@ def _main():  # pragma: no cover - timing on the GPU
 
     variants = {"default": {}, "bf32": dict(block_f=32), "splits2": dict(splits=2), "splits8": dict(splits=8),
                 "tf32x3": dict(f32_algo="tf32x3")}  # tf32x3: three TF32 tensor-core products (not IEEE f32)
-    for M in (1, 9, 17):
+    for M in (1, 9, 17, 32, 160):  # C=1: AR, b8, b16 verifies; C=32: AR, b4 verify (row blocks)
         x = jax.random.normal(ks[3], (M, D), jnp.float32)
         r = jax.jit(swiglu_ref)(x, *w)
         t_ref = per_call_us(swiglu_ref, x) if on_gpu else float("nan")

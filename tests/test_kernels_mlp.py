@@ -2,7 +2,8 @@
 
 Fresh random inputs per case (seed printed on failure). The Pallas interpreter fills output buffers it was not
 told to write with NaN, so a finite output equal to the reference also proves every element was written. Sizes
-are not multiples of the blocks (D vs block_k and block_d, F vs block_f and the splits, M vs the 16-row tile)."""
+are not multiples of the blocks (D vs block_k and block_d, F vs block_f and the splits, M vs the 16-row tile and
+the 64-row blocks)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def _inputs(seed, M, D, F):
     (17, 96, 144, dict(splits=3)),                     # a 17-node verify; F / 3 splits is not a block_k multiple
     (33, 80, 100, dict(block_f=32, block_d=32)),       # 33 rows -> a 64-row tile
     (3, 40, 24, dict(block_k=16, splits=8)),           # more splits than F has chunks: 2 splits of 16 run
+    (150, 72, 100, dict(splits=2)),                    # a C=32 verify's size: 3 row blocks of 64, the last ragged
 ])
 def test_matches_reference(M, D, F, kw):
     seed = fresh_seed()
@@ -46,6 +48,7 @@ def test_matches_reference(M, D, F, kw):
     (1, 48, 64, {}),                                   # one AR row, everything divides
     (17, 40, 72, dict(splits=2)),                      # ragged N and K; K / 2 splits is not a block_k multiple
     (9, 100, 24, dict(block_n=32, block_k=16, splits=4)),
+    (70, 40, 48, dict(splits=2)),                      # 2 row blocks, the second of 6 rows
 ])
 def test_linear_matches_reference(M, N, K, kw):
     seed = fresh_seed()
@@ -76,7 +79,7 @@ def test_dispatch_and_errors():
         sm.swiglu_pallas(x, w[0], w[1], w[2].T, interpret=True)
 
 
-@pytest.mark.parametrize("M", [1, 17])
+@pytest.mark.parametrize("M", [1, 17, 160])
 def test_lowers_for_the_gpu(M):
     # the Triton lowering (never run by interpret mode) at SmolLM2's MLP, and at a ragged size (masked path)
     from pallas_kernels.gpu_lowering import triton_ir
@@ -86,3 +89,15 @@ def test_lowers_for_the_gpu(M):
         ir = triton_ir(sm.swiglu_pallas, S(M, D), S(F, D), S(F, D), S(D, F))
         assert sorted(ir) == ["skinny_mlp_down", "skinny_mlp_gate_up"]
         assert ir["skinny_mlp_gate_up"].count("tt.dot") == 2 and ir["skinny_mlp_down"].count("tt.dot") == 1
+
+
+def test_rows_do_not_depend_on_the_pass():
+    # a row's bits are the same alone (an AR step), among 17 (a verify) and in the third 64-row block of a C=32
+    # verify: every block sums over K in the same order (interpret mode; the GPU check is skinny_mlp's __main__)
+    seed = fresh_seed()
+    x, w = _inputs(seed, 150, 72, 100)
+    f = jax.jit(functools.partial(sm.swiglu_pallas, interpret=True, splits=2))
+    many = np.asarray(f(x, *w))
+    np.testing.assert_array_equal(np.asarray(f(x[:17], *w)), many[:17], err_msg=f"seed={seed}")
+    for i in (0, 63, 64, 149):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], *w))[0], many[i], err_msg=f"seed={seed} row {i}")

@@ -376,10 +376,10 @@ def _prefill_verify_step(targets, vocab, seed, lens, T0, L, N=5):
 
 
 def test_tiny_mlp_kernel_matches_xla_path(tiny):
-    # mlp_impl="interpret": passes of <= 64 rows (an AR step, a small verify) run the skinny MLP kernels and
-    # give the XLA path's logits; the 2 x 40-token prefill (80 rows) stays on XLA
+    # mlp_impl="interpret": passes of <= 256 rows (an AR step, a verify) run the skinny MLP kernels and give the
+    # XLA path's logits; the 2 x 130-token prefill (260 rows) stays on XLA
     kern = LlamaTarget(tiny.cfg, tiny.params, mlp_impl="interpret")
-    outs = _prefill_verify_step((tiny, kern), tiny.vocab_size, 5, [40, 23], T0=40, L=64)
+    outs = _prefill_verify_step((tiny, kern), tiny.vocab_size, 5, [130, 23], T0=130, L=144)
     np.testing.assert_array_equal(outs[0][0], outs[1][0])  # the prefill did not take the kernel
     for a, b in zip(outs[0][1:], outs[1][1:]):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
@@ -390,7 +390,7 @@ def test_tiny_mlp_kernel_matches_xla_path(tiny):
 
 @pytest.mark.parametrize("attn_impl", ["xla", "interpret"])
 def test_tiny_projection_kernels_match_xla_path(tiny, attn_impl):
-    # proj_impl="interpret": the q/k/v/o projections of passes of <= 64 rows through skinny_mlp.linear_pallas,
+    # proj_impl="interpret": the q/k/v/o projections of passes of <= 256 rows through skinny_mlp.linear_pallas,
     # with the XLA attention and with the attention kernel (queries in its grouped layout)
     base = LlamaTarget(tiny.cfg, tiny.params, attn_impl=attn_impl)
     kern = LlamaTarget(tiny.cfg, tiny.params, attn_impl=attn_impl, mlp_impl="interpret", proj_impl="interpret")

@@ -101,7 +101,7 @@ class MLP(nn.Module):
     hidden: int
     dtype: jnp.dtype
     precision: Any = None  # dot precision (the f32 Llama target asks for HIGHEST); None = backend default
-    impl: str = "xla"  # "pallas" / "interpret": pallas_kernels/skinny_mlp.py for f32 passes of <= 64 rows
+    impl: str = "xla"  # "pallas" / "interpret": pallas_kernels/skinny_mlp.py for f32 passes of <= 256 rows
 
     @nn.compact
     def __call__(self, x_BTD):

@@ -118,7 +118,7 @@ def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float, precision=None
 
 
 def _skinny_linear(x_BTD, w_ND, impl):
-    """x @ w.T -> [B, T, N] through pallas_kernels/skinny_mlp.linear_pallas (f32 passes of <= 64 rows)."""
+    """x @ w.T -> [B, T, N] through pallas_kernels/skinny_mlp.linear_pallas (f32 passes of <= skinny_mlp.MAX_ROWS = 256 rows)."""
     B, T, D = x_BTD.shape
     y = skinny_mlp.linear_pallas(x_BTD.reshape(B * T, D), w_ND, interpret=impl == "interpret")
     return y.reshape(B, T, -1).astype(x_BTD.dtype)
@@ -279,8 +279,8 @@ class LlamaTarget:
     random_weights: bool = False
     source: str = ""
     attn_impl: str | None = None  # None: the kernel on GPU, the XLA reference elsewhere (KIMIJAX_KERNELS overrides)
-    # "xla", or the experimental skinny MLP kernels ("pallas" / "interpret") for f32 passes of <= 64 rows (decode
-    # steps, small verifies); XLA until a GPU run shows they pay (pallas_kernels/skinny_mlp.py)
+    # "xla", or the experimental skinny MLP kernels ("pallas" / "interpret") for f32 passes of <= 256 rows (decode
+    # steps, verifies up to C=32 b4); XLA until a GPU run shows they pay (pallas_kernels/skinny_mlp.py)
     mlp_impl: str = "xla"
     proj_impl: str = "xla"  # the same experiment for the attention's q/k/v/o projections (skinny_mlp.linear_pallas)
 
