@@ -9,8 +9,8 @@ import dataclasses
 
 IMPLS = ("xla", "pallas", "interpret")
 SWITCHES = {  # flag -> what it switches
-    "mlp_impl": "the target's MLP for passes of <= 64 rows (pallas_kernels/skinny_mlp.py)",
-    "proj_impl": "the target's q/k/v/o projections for passes of <= 64 rows (skinny_mlp.linear_pallas)",
+    "mlp_impl": "the target's MLP for passes of <= 256 rows (pallas_kernels/skinny_mlp.py)",
+    "proj_impl": "the target's q/k/v/o projections for passes of <= 256 rows (skinny_mlp.linear_pallas)",
     "tree_impl": "the tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py)",
     "commit_impl": "the cache commit as one kernel for all layers (pallas_kernels/row_move.py)",
 }
