@@ -3,7 +3,8 @@
 Public API:
   load_target(path_or_preset)          Kimi K2.x target from a HF checkpoint dir, an orbax save or a preset
   forward(target, tokens_BT)           full-sequence f32 logits [B, T, V] (no cache)
-  Engine(target, drafter=None, method="ar"|"dflash"|"ddtree", budget=8, topk_cap=None, draft_window=None)
+  Engine(target, drafter=None, method="ar"|"dflash"|"ddtree", budget=8, topk_cap=None, draft_window=None,
+         round_kernels=RoundKernels(tree="xla", commit="xla"))   # opt-in round kernels (experiments)
       .generate(prompts, max_new_tokens=..., temperature=0.0, top_p=1.0, top_k=0, seed=0)
   load_drafter(path, target)           DFlash drafter (z-lab checkpoint format)
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from kimijax.config import KimiConfig, ConfigError
 from kimijax.loading import CheckpointError, load_target, save_params
 from kimijax.engine import Engine, EngineError, GenerationResult
+from kimijax.spec.round import RoundKernels
 
 
 def forward(target, tokens_BT):
@@ -32,5 +34,5 @@ def load_drafter(path, target, **kw):
     return _load(path, target, **kw)
 
 
-__all__ = ["KimiConfig", "ConfigError", "CheckpointError", "EngineError", "Engine", "GenerationResult",
+__all__ = ["KimiConfig", "ConfigError", "CheckpointError", "EngineError", "Engine", "GenerationResult", "RoundKernels",
            "load_target", "load_drafter", "forward", "save_params"]

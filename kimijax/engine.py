@@ -80,10 +80,14 @@ def is_stop(tokens, stop_ids_S):
 
 
 class Engine:
-    """Generate with a target alone (method "ar") or speculatively with a DFlash drafter ("dflash", "ddtree")."""
+    """Generate with a target alone (method "ar") or speculatively with a DFlash drafter ("dflash", "ddtree").
+
+    round_kernels: a `kimijax.RoundKernels` choosing opt-in kernels for the round's tree and commit stages
+    (experiments; XLA by default). Engines with the same target, drafter and settings share compiled programs."""
 
     def __init__(self, target, drafter=None, method: str = "ar", budget: int = 8, topk_cap: int | None = None,
-                 draft_window: int | None = None, chunk_rounds: int = 32, max_cache_len: int | None = None):
+                 draft_window: int | None = None, chunk_rounds: int = 32, max_cache_len: int | None = None,
+                 round_kernels=None):
         if method not in ("ar", "dflash", "ddtree"):
             raise EngineError(f"unknown method {method!r}: choose ar, dflash or ddtree")
         if method != "ar" and drafter is None:
@@ -100,14 +104,18 @@ class Engine:
         self.budget, self.topk_cap, self.draft_window = budget, topk_cap, draft_window
         self.chunk_rounds, self.max_cache_len = chunk_rounds, max_cache_len
         self.round = None
+        from kimijax.spec.round import RoundKernels, SpecRound
+        if round_kernels is None:
+            round_kernels = RoundKernels()
+        if not isinstance(round_kernels, RoundKernels):
+            raise EngineError(f"round_kernels must be a kimijax.RoundKernels, got {type(round_kernels).__name__}")
         if method != "ar":
-            from kimijax.spec.round import SpecRound
-            self.round = SpecRound(target, drafter, method, budget, topk_cap, draft_window)
+            self.round = SpecRound(target, drafter, method, budget, topk_cap, draft_window, round_kernels)
         # Programs are shared by engines with the same target, drafter and settings, so a new Engine
         # (or a new generate call) reuses what is already compiled. They live on the target (not in a module
         # global), so dropping the target frees its weights and programs together.
         programs = target.__dict__.setdefault(_PROGRAMS_ATTR, {})
-        key = (id(drafter), method, budget, topk_cap, draft_window)
+        key = (id(drafter), method, budget, topk_cap, draft_window, round_kernels if method != "ar" else None)
         if key not in programs or programs[key][0] is not drafter:
             programs[key] = (drafter, jax.jit(self._prefill_fn, donate_argnums=(1,)), {})
         _, self._prefill, self._compiled = programs[key]

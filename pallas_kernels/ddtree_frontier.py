@@ -16,8 +16,8 @@ program per request runs all N pops on vectors of N+1 slots held in registers (o
 Same parents, depths, ranks and scores as `frontier_ref`, bit for bit (tests: random logits, ties, tiny V).
 
 Implementations: "xla" `frontier_ref`; "pallas" the kernel (GPU, Triton); "interpret" the kernel on the CPU.
-The round uses "xla" until a GPU run measures the kernel (kimijax/spec/round.py `tree_impl`). Triton needs
-power-of-two vectors: slots pad to n1p = next_pow2(N + 1) lanes, the [L, K] table to [Lp, Kp] (-inf).
+The round uses "xla" until a GPU run measures the kernel (`kimijax.RoundKernels(tree=...)`, an Engine
+argument). Triton needs power-of-two vectors: slots pad to n1p = next_pow2(N + 1) lanes, the [L, K] table to [Lp, Kp] (-inf).
 """
 
 from __future__ import annotations

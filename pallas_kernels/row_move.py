@@ -13,7 +13,7 @@ No hazards: the path is strictly increasing with path[j] >= j, so a row's source
 row's destination, and rows are copied in order (the reference reads every source row before writing).
 
 Implementations: "xla" `move_rows_ref`; "pallas" the kernel (GPU); "interpret" the kernel on the CPU. The
-round uses "xla" until a GPU run measures the kernel (kimijax/spec/round.py `commit_impl`).
+round uses "xla" until a GPU run measures the kernel (`kimijax.RoundKernels(commit=...)`, an Engine argument).
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ def run_grid(args) -> dict:
             res["skipped"].append(dict(temperature=temp, concurrency=C, method=name,
                                        why=f"needs {C} held-out prompts, have {len(chats)}"))
             continue
-        eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1))
+        eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1),
+                             round_kernels=kernel_switches.round_kernels(args))
         new, dec_s, pre_s, rounds, compile_s, acc, outs, chunks, refills, shrinks = 0, 0.0, 0.0, 0, 0.0, [], [], 0, 0, 0
         # nb batches of C requests, or one run of K x C requests through C rows refilled as requests finish
         batches = [chats[j * C:(j + 1) * C] for j in range(nb)]

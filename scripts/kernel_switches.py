@@ -1,13 +1,14 @@
 """The opt-in kernels a script can switch on for an A/B (each off by default until a GPU run shows it pays):
 the target's skinny MLP and projection kernels (pallas_kernels/skinny_mlp.py, LlamaTarget fields) and the
-round's one-kernel tree pops and cache commit (kimijax/spec/round.py module switches, read when an Engine
-compiles its programs). One set of flags for profile_round.py, bench_e2e.py and offline_gpu.py."""
+round's one-kernel tree pops and cache commit (`kimijax.RoundKernels`, an Engine argument). One set of flags
+for profile_round.py, bench_e2e.py and offline_gpu.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
-IMPLS = ("xla", "pallas", "interpret")
+from kimijax.spec.round import IMPLS
+
 SWITCHES = {  # flag -> what it switches
     "mlp_impl": "the target's MLP for passes of <= 256 rows (pallas_kernels/skinny_mlp.py)",
     "proj_impl": "the target's q/k/v/o projections for passes of <= 256 rows (skinny_mlp.linear_pallas)",
@@ -26,18 +27,15 @@ def chosen(args) -> dict:
     return {name: getattr(args, name) for name in SWITCHES}
 
 
-def set_round(commit_impl: str = "xla", tree_impl: str = "xla") -> tuple[str, str]:
-    """Set the round's switches (before the first Engine compiles); returns the previous values."""
-    from kimijax.spec import round as spec_round
+def round_kernels(args):
+    """The round's opt-in kernels that `args` asks for, for `Engine(..., round_kernels=...)`."""
+    from kimijax.spec.round import RoundKernels
 
-    old = spec_round.commit_impl, spec_round.tree_impl
-    spec_round.commit_impl, spec_round.tree_impl = commit_impl, tree_impl
-    return old
+    return RoundKernels(tree=args.tree_impl, commit=args.commit_impl)
 
 
 def apply(args, target):
-    """Switch what `args` asks for: the round's module switches, and a copy of `target` with its kernels."""
-    set_round(args.commit_impl, args.tree_impl)
+    """A copy of `target` with the skinny kernels `args` asks for (the round's are `round_kernels(args)`)."""
     if args.mlp_impl != "xla" or args.proj_impl != "xla":
         target = dataclasses.replace(target, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl)
     return target

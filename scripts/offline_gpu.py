@@ -274,21 +274,19 @@ def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int 
     hf = json.loads((smollm2_drafter_dir() / "config.json").read_text())
     drafter = random_drafter(DrafterConfig.from_hf(hf, dtype="float32"), target) if method != "ar" else None
 
-    def engine(t):
-        return kimijax.Engine(t, drafter, method=method, budget=max(budget, 1), chunk_rounds=rounds)
+    def engine(t, kernels=kimijax.RoundKernels()):
+        return kimijax.Engine(t, drafter, method=method, budget=max(budget, 1), chunk_rounds=rounds,
+                              round_kernels=kernels)
 
     eng = engine(target)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, target.vocab_size, prompt_len).tolist() for _ in range(C)]
     _, st = eng.start(prompts, max_new_tokens=rounds * eng.tokens_per_round + 1, stop_ids=[])
-    gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl, proj_impl=proj_impl))
+    gpu = engine(dataclasses.replace(target, attn_impl="pallas", mlp_impl=mlp_impl, proj_impl=proj_impl),
+                 kimijax.RoundKernels(tree=tree_impl, commit=commit_impl))
     dparams = None if drafter is None else drafter.params
-    old = kernel_switches.set_round(commit_impl, tree_impl)
-    try:
-        return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
-                               static_argnums=(4, 5))
-    finally:
-        kernel_switches.set_round(*old)
+    return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
+                           static_argnums=(4, 5))
 
 
 def main(argv=None) -> int:

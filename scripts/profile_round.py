@@ -109,7 +109,7 @@ def run_case(target, drafter, method: str, budget: int, C: int, args) -> dict:
     from timing import op_names, profile_events
 
     eng = kimijax.Engine(target, drafter if method != "ar" else None, method=method, budget=max(budget, 1),
-                         chunk_rounds=args.rounds)
+                         chunk_rounds=args.rounds, round_kernels=kernel_switches.round_kernels(args))
     if args.all_depths and eng.round is not None:  # A/B: draft and commit every depth, as before draft_depths
         eng.round.draft_depths = eng.round.depth
     rng = np.random.default_rng(args.seed)

@@ -94,6 +94,10 @@ def test_engine_config_errors(tiny_f32):
         Engine(tiny_f32, method="beam")
     with pytest.raises(EngineError, match="needs a drafter"):
         Engine(tiny_f32, method="ddtree")
+    with pytest.raises(EngineError, match="RoundKernels"):
+        Engine(tiny_f32, round_kernels={"tree": "pallas"})
+    with pytest.raises(ValueError, match="tree='cuda'"):
+        kimijax.RoundKernels(tree="cuda")
 
 
 def test_engines_share_programs_and_do_not_keep_targets_alive():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kimijax
-from kimijax import Engine
+from kimijax import Engine, RoundKernels
 from kimijax.config import TINY
 from kimijax.models.drafter import DrafterConfig, random_drafter
 from kimijax.target import KimiTarget, random_kimi_params
@@ -198,38 +198,36 @@ def test_draft_window_ring_cache_equals_full_cache(setup, monkeypatch):
         S = S + jnp.asarray(rng.integers(1, r.max_commit + 1, size=2), jnp.int32)
 
 
-def test_one_kernel_commit_is_lossless(setup, monkeypatch):
+def test_one_kernel_commit_is_lossless(setup):
     """The commit's cache compaction as one kernel for all layers (pallas_kernels/row_move.py, interpret mode)
     with an oracle drafter, so deep paths and side branches are moved: same tokens as AR."""
-    from kimijax.spec import round as spec_round
-
     target, d, prompts = setup
     ar = Engine(target).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
     seqs = np.zeros((2, 64), np.int32)
     for b, (p, r) in enumerate(zip(prompts, ar)):
         seqs[b, : len(p) + len(r.tokens)] = p + r.tokens
-    monkeypatch.setattr(spec_round, "commit_impl", "interpret")
-    oracle = OracleDrafter(d, seqs, noise=2.5)  # a new drafter object: its own compiled programs
-    res = Engine(target, oracle, method="ddtree", budget=6).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
+    oracle = OracleDrafter(d, seqs, noise=2.5)
+    res = Engine(target, oracle, method="ddtree", budget=6, round_kernels=RoundKernels(commit="interpret")).generate(
+        prompts[:2], max_new_tokens=24, stop_ids=[])
     assert [r.tokens for r in res] == [a.tokens for a in ar]
     assert max(x for r in res for x in r.acceptance_lengths) > 2
 
 
-def test_one_kernel_tree_is_lossless(setup, monkeypatch):
+def test_one_kernel_tree_is_lossless(setup):
     """The tree's best-first pops as one kernel (pallas_kernels/ddtree_frontier.py, interpret mode) inside the
-    Engine's round: same tokens as AR, and the same acceptance lengths as the XLA pops (the same trees)."""
-    from kimijax.spec import round as spec_round
-
+    Engine's round: same tokens as AR, and the same acceptance lengths as the XLA pops (the same trees). One
+    drafter object for both: the compiled programs are keyed by the round's kernels too."""
     target, d, prompts = setup
     ar = Engine(target).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
     seqs = np.zeros((2, 64), np.int32)
     for b, (p, r) in enumerate(zip(prompts, ar)):
         seqs[b, : len(p) + len(r.tokens)] = p + r.tokens
-    runs = []
+    oracle = OracleDrafter(d, seqs, noise=2.5)
+    runs, programs = [], []
     for impl in ("xla", "interpret"):
-        monkeypatch.setattr(spec_round, "tree_impl", impl)
-        oracle = OracleDrafter(d, seqs, noise=2.5)  # a new drafter object: its own compiled programs
-        runs.append(Engine(target, oracle, method="ddtree", budget=6).generate(prompts[:2], max_new_tokens=24,
-                                                                              stop_ids=[]))
+        eng = Engine(target, oracle, method="ddtree", budget=6, round_kernels=RoundKernels(tree=impl))
+        runs.append(eng.generate(prompts[:2], max_new_tokens=24, stop_ids=[]))
+        programs.append(eng._compiled)
+    assert programs[0] is not programs[1]  # the interpret run compiled its own round
     assert [r.tokens for r in runs[1]] == [a.tokens for a in ar]
     assert [r.acceptance_lengths for r in runs[1]] == [r.acceptance_lengths for r in runs[0]]

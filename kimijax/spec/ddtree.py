@@ -26,7 +26,7 @@ lexicographic rank path), emits the node and writes the two changed slots (the p
 the new node's first child) in one select: two kernel launches per step on the GPU. Work O(N (N + L)) per
 request; no scatters in the loop body, so it vmaps cleanly and compiles fast. NaN draft logits are not
 supported (they break the total order). The pops live in pallas_kernels/ddtree_frontier.py: this XLA loop
-(`frontier_ref`) and the same pops as one kernel per request (opt-in: kimijax/spec/round.py `tree_impl`).
+(`frontier_ref`) and the same pops as one kernel per request (opt-in: `kimijax.RoundKernels(tree=...)`).
 
 Tree layout (N+1 slots, root = the bonus token at index 0, drafted nodes 1..N in pop order, so parents
 always precede children and siblings appear in rank order):

@@ -12,26 +12,41 @@ block_size - 1): a budget-N tree is at most N deep, so the rows past depth N are
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from kimijax.spec import accept, ddtree
 from kimijax.target import compact_caches
 
-# The commit's cache compaction: "xla" (one fusion per layer cache) or "pallas" (all caches in one kernel,
-# pallas_kernels/row_move.py: a SmolLM2 b16 round's commit goes from 49 to 20 launches, counted offline). XLA
-# until a GPU run measures the kernel: scripts/profile_round.py --commit-impl pallas. Set it before the first
-# Engine is built: compiled programs are reused.
-commit_impl = "xla"
-# The tree's N best-first pops: "xla" (2 launches per node) or "pallas" (one kernel, pallas_kernels/ddtree_frontier.py:
-# a SmolLM2 b16 round's tree stage goes from 40 to 9 launches, counted offline). XLA until a GPU run measures the
-# kernel: scripts/profile_round.py --tree-impl pallas. Same rule as commit_impl: set it before the first Engine.
-tree_impl = "xla"
+IMPLS = ("xla", "pallas", "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundKernels:
+    """Opt-in kernels for a round's small stages; XLA until a GPU run shows they pay (`--tree-impl` /
+    `--commit-impl` in scripts/profile_round.py and bench_e2e.py). Each is "xla", "pallas" or "interpret".
+
+    tree    the tree's N best-first pops: XLA (2 launches per node) or one kernel per request
+            (pallas_kernels/ddtree_frontier.py: a SmolLM2 b16 round's tree stage 40 -> 9 launches, counted offline)
+    commit  the cache compaction: one fusion per layer cache, or all caches in one kernel
+            (pallas_kernels/row_move.py: a SmolLM2 b16 round's commit 49 -> 20 launches, counted offline)
+    """
+    tree: str = "xla"
+    commit: str = "xla"
+
+    def __post_init__(self):
+        for name in ("tree", "commit"):
+            if getattr(self, name) not in IMPLS:
+                raise ValueError(f"RoundKernels.{name}={getattr(self, name)!r}: choose one of {', '.join(IMPLS)}")
 
 
 class SpecRound:
-    def __init__(self, target, drafter, method: str, budget: int, topk_cap: int | None, draft_window: int | None):
+    def __init__(self, target, drafter, method: str, budget: int, topk_cap: int | None, draft_window: int | None,
+                 kernels: RoundKernels = RoundKernels()):
         self.target, self.drafter, self.method = target, drafter, method
+        self.kernels = kernels
         self.block = drafter.cfg.block_size
         self.depth = self.block - 1  # L: drafted depths
         self.nodes = budget if method == "ddtree" else self.depth
@@ -86,7 +101,7 @@ class SpecRound:
                 top_logp_BLK, top_tokens_BLK = tree_topk(draft_logits_BLV, K)
             # From draft_depths rows the tree is the same as from all L (tested); its max_depth (draft_depths)
             # sets the walk's steps and the emitted width max_commit.
-            build = lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes, frontier_impl=tree_impl)
+            build = lambda lp, tk: ddtree.build_tree_from_topk(lp, tk, self.nodes, frontier_impl=self.kernels.tree)
             return jax.vmap(build)(top_logp_BLK, top_tokens_BLK)
         return jax.vmap(ddtree.chain_tree)(draft_logits_BLV)
 
@@ -121,7 +136,7 @@ class SpecRound:
             j_P = jnp.arange(path_BP.shape[1])
         with jax.named_scope("commit"):
             live_B = ~st["done"]
-            caches = compact_caches(caches, S_B, path_BP, n_B, commit_impl)
+            caches = compact_caches(caches, S_B, path_BP, n_B, self.kernels.commit)
             feats = jnp.take_along_axis(cap_nBND, path_BP[None, :, :, None], axis=2)
             rows = dr.context_kv(dparams, feats, S_B[:, None] + j_P[None])
             st["dcache"] = dr.append_context(st["dcache"], rows, S_B)
