@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from kimijax.config import KimiConfig, ConfigError
 from kimijax.loading import CheckpointError, load_target, save_params
 from kimijax.engine import Engine, EngineError, GenerationResult
-from kimijax.spec.round import RoundKernels
+from kimijax.spec.kernels import RoundKernels
 
 
 def forward(target, tokens_BT):

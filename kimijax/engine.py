@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimijax.sampling import check_sampling_params, sample_tokens
+from kimijax.spec.kernels import RoundKernels
 
 MAX_STOP_IDS = 8
 # on a target: (drafter id, settings) -> (drafter, jitted prefill, compiled programs); "zero_cache" -> its jitted cache
@@ -87,7 +88,7 @@ class Engine:
 
     def __init__(self, target, drafter=None, method: str = "ar", budget: int = 8, topk_cap: int | None = None,
                  draft_window: int | None = None, chunk_rounds: int = 32, max_cache_len: int | None = None,
-                 round_kernels=None):
+                 round_kernels: RoundKernels = RoundKernels()):
         if method not in ("ar", "dflash", "ddtree"):
             raise EngineError(f"unknown method {method!r}: choose ar, dflash or ddtree")
         if method != "ar" and drafter is None:
@@ -104,12 +105,10 @@ class Engine:
         self.budget, self.topk_cap, self.draft_window = budget, topk_cap, draft_window
         self.chunk_rounds, self.max_cache_len = chunk_rounds, max_cache_len
         self.round = None
-        from kimijax.spec.round import RoundKernels, SpecRound
-        if round_kernels is None:
-            round_kernels = RoundKernels()
         if not isinstance(round_kernels, RoundKernels):
             raise EngineError(f"round_kernels must be a kimijax.RoundKernels, got {type(round_kernels).__name__}")
         if method != "ar":
+            from kimijax.spec.round import SpecRound
             self.round = SpecRound(target, drafter, method, budget, topk_cap, draft_window, round_kernels)
         # Programs are shared by engines with the same target, drafter and settings, so a new Engine
         # (or a new generate call) reuses what is already compiled. They live on the target (not in a module

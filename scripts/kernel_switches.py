@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kimijax.spec.round import IMPLS
+from kimijax.spec.kernels import IMPLS
 
 SWITCHES = {  # flag -> what it switches
     "mlp_impl": "the target's MLP for passes of <= 256 rows (pallas_kernels/skinny_mlp.py)",
@@ -29,7 +29,7 @@ def chosen(args) -> dict:
 
 def round_kernels(args):
     """The round's opt-in kernels that `args` asks for, for `Engine(..., round_kernels=...)`."""
-    from kimijax.spec.round import RoundKernels
+    from kimijax.spec.kernels import RoundKernels
 
     return RoundKernels(tree=args.tree_impl, commit=args.commit_impl)
 
