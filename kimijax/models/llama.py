@@ -118,7 +118,7 @@ def gqa_attention(q_BTHe, k_BSke, v_BSke, mask_BTS, scale: float, precision=None
 
 
 def _skinny_linear(x_BTD, w_ND, impl):
-    """x @ w.T -> [B, T, N] through pallas_kernels/skinny_mlp.linear_pallas (f32 passes of <= skinny_mlp.MAX_ROWS = 256 rows)."""
+    """x @ w.T -> [B, T, N] through pallas_kernels/skinny_mlp.linear_pallas (f32 passes of <= MAX_ROWS rows)."""
     B, T, D = x_BTD.shape
     y = skinny_mlp.linear_pallas(x_BTD.reshape(B * T, D), w_ND, interpret=impl == "interpret")
     return y.reshape(B, T, -1).astype(x_BTD.dtype)

@@ -19,6 +19,7 @@ from kimijax.spec import accept, ddtree
 from kimijax.spec.kernels import RoundKernels
 from kimijax.target import compact_caches
 
+
 class SpecRound:
     def __init__(self, target, drafter, method: str, budget: int, topk_cap: int | None, draft_window: int | None,
                  kernels: RoundKernels = RoundKernels()):
