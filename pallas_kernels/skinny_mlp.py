@@ -261,12 +261,15 @@ def _main():  # pragma: no cover - timing on the GPU
                 t = per_call_us(wide(f), x, wl) if on_gpu else float("nan")
                 line.append(f"{name} {t:6.1f} (err {err:.0e})")
             print(" | ".join(line), flush=True)
-    # Row independence (module docstring): a verify row vs the same row alone (an AR step), bit for bit
-    x = jax.random.normal(ks[3], (17, D), jnp.float32)
-    for name, f in (("XLA", swiglu_ref), ("kernel", functools.partial(swiglu_pallas, interpret=not on_gpu))):
-        many = np.asarray(jax.jit(f)(x, *w))
-        same = sum(bool(np.array_equal(np.asarray(jax.jit(f)(x[i:i + 1], *w))[0], many[i])) for i in range(17))
-        print(f"{name}: {same}/17 rows bitwise equal alone and among 17")
+    # Row independence (module docstring): a verify row vs the same row alone (an AR step), bit for bit, in a
+    # C=1 b16 verify (17 rows) and a C=32 b4 verify (160 rows: three row blocks)
+    for M in (17, 160):
+        x = jax.random.normal(ks[3], (M, D), jnp.float32)
+        rows = range(M) if M <= 17 else (0, 1, 63, 64, 100, 128, 159)
+        for name, f in (("XLA", swiglu_ref), ("kernel", functools.partial(swiglu_pallas, interpret=not on_gpu))):
+            many = np.asarray(jax.jit(f)(x, *w))
+            same = sum(bool(np.array_equal(np.asarray(jax.jit(f)(x[i:i + 1], *w))[0], many[i])) for i in rows)
+            print(f"{name}: {same}/{len(rows)} rows bitwise equal alone and among {M}")
 
 
 if __name__ == "__main__":  # pragma: no cover
