@@ -82,9 +82,7 @@ def is_stop(tokens, stop_ids_S):
 
 class Engine:
     """Generate with a target alone (method "ar") or speculatively with a DFlash drafter ("dflash", "ddtree").
-
-    round_kernels: a `kimijax.RoundKernels` choosing opt-in kernels for the round's tree and commit stages
-    (experiments; XLA by default). Engines with the same target, drafter and settings share compiled programs."""
+    round_kernels: opt-in kernels for the round's tree and commit stages (experiments; XLA by default)."""
 
     def __init__(self, target, drafter=None, method: str = "ar", budget: int = 8, topk_cap: int | None = None,
                  draft_window: int | None = None, chunk_rounds: int = 32, max_cache_len: int | None = None,

@@ -39,6 +39,7 @@ from pallas_kernels.tree_attention import kernel_dot, next_pow2
 
 MAX_ROWS = 256  # more rows than this are not "a few" (prefill chunks): XLA's GEMMs are the better tool there
 BLOCK_M = 64  # rows per program: a pass of more rows is split into row blocks of this many
+_C11 = (((1,), (1,)), ((), ()))  # a @ b.T
 
 
 def row_blocks(M: int) -> tuple[int, int]:
@@ -50,7 +51,6 @@ def row_blocks(M: int) -> tuple[int, int]:
     if M <= BLOCK_M:
         return max(16, next_pow2(M)), 1
     return BLOCK_M, -(-M // BLOCK_M)
-_C11 = (((1,), (1,)), ((), ()))  # a @ b.T
 
 
 def swiglu_ref(x_MD, w_gate_FD, w_up_FD, w_down_DF, precision=lax.Precision.HIGHEST):
@@ -152,8 +152,8 @@ def linear_pallas(x_MK, w_NK, *, block_n: int = 16, block_k: int = 64, splits: i
                   f32_algo: str = "ieee", interpret: bool = False, name: str = "skinny_linear"):
     """x @ w.T for x [M, K] with M <= MAX_ROWS -> [M, N] f32: the MLP's down
     kernel alone, for any projection of a few rows. Grid (N / block_n, splits, row blocks); each split sums its
-    1/splits share of K in block_k chunks and the splits' partials are added in split order (fixed, so each row's bits do not
-    depend on the other rows)."""
+    1/splits share of K in block_k chunks and the splits' partials are added in split order (fixed, so each
+    row's bits do not depend on the other rows)."""
     M, K = x_MK.shape
     N = w_NK.shape[0]
     if w_NK.shape != (N, K):

@@ -76,14 +76,19 @@ def test_greedy_ddtree_and_chain_are_lossless(setup):
             assert sum(r.acceptance_lengths) == 14 - 1  # every emitted token after the first came from a round
 
 
+def _ar_and_sequences(target, prompts, max_new_tokens):
+    """AR's results for `prompts`, and each prompt + its AR answer as one row of an oracle drafter's [B, 64]."""
+    ar = Engine(target).generate(prompts, max_new_tokens=max_new_tokens, stop_ids=[])
+    seqs = np.zeros((len(prompts), 64), np.int32)
+    for b, (p, r) in enumerate(zip(prompts, ar)):
+        seqs[b, : len(p) + len(r.tokens)] = p + r.tokens
+    return ar, seqs
+
+
 @pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 6), ("ddtree", 32)])
 def test_oracle_drafter_accepts_full_blocks(setup, method, budget):
     target, d, prompts = setup
-    ar = Engine(target).generate(prompts, max_new_tokens=40, stop_ids=[])
-    seqs = np.zeros((len(prompts), 64), np.int32)
-    for b, (p, r) in enumerate(zip(prompts, ar)):
-        full = p + r.tokens
-        seqs[b, : len(full)] = full
+    ar, seqs = _ar_and_sequences(target, prompts, 40)
     oracle = OracleDrafter(d, seqs, noise=0.0 if method == "dflash" else 2.5)
     eng = Engine(target, oracle, method=method, budget=max(budget, 1))
     res = eng.generate(prompts, max_new_tokens=40, stop_ids=[])
@@ -113,10 +118,7 @@ def test_stop_token_inside_accepted_path(setup):
 
 def test_max_new_tokens_cuts_inside_a_path(setup):
     target, d, prompts = setup
-    ar = Engine(target).generate(prompts, max_new_tokens=9, stop_ids=[])
-    seqs = np.zeros((len(prompts), 64), np.int32)
-    for b, (p, r) in enumerate(zip(prompts, ar)):
-        seqs[b, : len(p) + 9] = p + r.tokens
+    ar, seqs = _ar_and_sequences(target, prompts, 9)
     res = Engine(target, OracleDrafter(d, seqs, 0.0), method="dflash").generate(prompts, max_new_tokens=9, stop_ids=[])
     assert [r.tokens for r in res] == [r.tokens for r in ar]
     assert all(r.finish_reason == "length" for r in res)
@@ -202,10 +204,7 @@ def test_one_kernel_commit_is_lossless(setup):
     """The commit's cache compaction as one kernel for all layers (pallas_kernels/row_move.py, interpret mode)
     with an oracle drafter, so deep paths and side branches are moved: same tokens as AR."""
     target, d, prompts = setup
-    ar = Engine(target).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
-    seqs = np.zeros((2, 64), np.int32)
-    for b, (p, r) in enumerate(zip(prompts, ar)):
-        seqs[b, : len(p) + len(r.tokens)] = p + r.tokens
+    ar, seqs = _ar_and_sequences(target, prompts[:2], 24)
     oracle = OracleDrafter(d, seqs, noise=2.5)
     res = Engine(target, oracle, method="ddtree", budget=6, round_kernels=RoundKernels(commit="interpret")).generate(
         prompts[:2], max_new_tokens=24, stop_ids=[])
@@ -218,10 +217,7 @@ def test_one_kernel_tree_is_lossless(setup):
     Engine's round: same tokens as AR, and the same acceptance lengths as the XLA pops (the same trees). One
     drafter object for both: the compiled programs are keyed by the round's kernels too."""
     target, d, prompts = setup
-    ar = Engine(target).generate(prompts[:2], max_new_tokens=24, stop_ids=[])
-    seqs = np.zeros((2, 64), np.int32)
-    for b, (p, r) in enumerate(zip(prompts, ar)):
-        seqs[b, : len(p) + len(r.tokens)] = p + r.tokens
+    ar, seqs = _ar_and_sequences(target, prompts[:2], 24)
     oracle = OracleDrafter(d, seqs, noise=2.5)
     runs, programs = [], []
     for impl in ("xla", "interpret"):
