@@ -286,7 +286,7 @@ def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int 
                  kimijax.RoundKernels(tree=tree_impl, commit=commit_impl))
     dparams = None if drafter is None else drafter.params
     return compile_for_gpu(gpu._chunk_fn, target.params, st, dparams, np.int32(1), rounds, False,
-                           static_argnums=(4, 5))
+                           static_argnums=(4, 5), donate_argnums=(1,))
 
 
 def main(argv=None) -> int:
