@@ -1,4 +1,4 @@
-"""Routed-expert MoE over INT4 experts as Mosaic GPU kernels (Hopper): the decode path, T <= 64 tokens.
+"""Routed-expert MoE over INT4 experts as Mosaic GPU kernels (Hopper): the decode and verify path, T <= 256 tokens.
 
 Why a second backend: the Triton-lowered kernels (pallas_kernels/moe_int4.py) stream INT4 experts at 52 % of
 the HBM read roof at T = 1 and 65-68 % from T = 9 (BENCHMARKS.md, "Kernels"), and what is left there is the
@@ -24,9 +24,9 @@ columns cost MMA slots, not bytes):
      routing weights (zero for tokens not routed to the pair's expert, and for duplicate pairs).
 Each used expert's weights are read from HBM once per call.  Dequantisation is bf16(q * s), the reference's
 rounding; products accumulate in f32.
-From 17 to 64 tokens a slot is one expert's block of <= 16 of its tokens instead (pairs sorted by expert,
+From 17 to 256 tokens a slot is one expert's block of <= 16 of its tokens instead (pairs sorted by expert,
 `routing_sorted`), with its own gathered x tile; an expert with more than 16 tokens is read once per block.
-The per-slot f32 partials [slots, D, 16] grow with T (~190 MB at 64 tokens), hence the cap.
+Each token's K partial rows [D] are then gathered from the slots' f32 outputs and added in k order.
 
 Thread-words layout (`to_mgpu_layout(words=True)`, the fast one): the same bytes permuted per [64, 32] tile so
 that each thread's 16 values sit in two 32-bit words whose nibbles unpack straight into its wgmma register
@@ -35,8 +35,8 @@ instructions per gate/up pipeline step (offline SASS), which is what limits this
 
 Measured (BENCHMARKS.md "INT4 MoE as Mosaic GPU kernels", NVIDIA H100, kernel time): with thread words
 T=1 95.0 us vs the Triton kernel's 107.3, T=4 313.5 vs 338.8, T=9 628.4 vs 654.6, T=16 1006.5 vs 1103.7;
-with int4 tiles 1.5-1.7x slower than Triton. The 17..64-token path is not timed yet. Not wired into the
-model: passes of more than 64 tokens (prefill chunks) have no path here, and the model keeps one expert layout.
+with int4 tiles 1.5-1.7x slower than Triton. The 17..256-token path is not timed yet. Not wired into the
+model: passes of more than 256 tokens (prefill chunks) have no path here, and the model keeps one expert layout.
 
 Interpret mode (CPU tests): Mosaic GPU's interpreter only takes wgmma operands from shared memory, so
 there the dequantised tile goes through a shared-memory scratch (thread words are decoded with jnp); on
@@ -61,8 +61,10 @@ NB = 16  # token columns (wgmma N; bf16 B tiles need >= 16 columns)
 BM = 64  # weight rows per wgmma (M)
 GROUP = 32  # inputs per INT4 scale group
 MAX_DENSE_TOKENS = NB  # up to here every token is a column of every used expert (one shared x tile)
-MAX_TOKENS = 64  # beyond 16 tokens: per-slot token lists (each expert's tokens in blocks of 16); more tokens
-#                  would need a better combine than the per-slot f32 partials ([slots, D, 16], ~190 MB at 64)
+MAX_TOKENS = 256  # beyond 16 tokens: per-slot token lists (each expert's tokens in blocks of 16). The cap
+#                   covers decode and verify passes (C=32 b4: 160 tokens); past it an expert's weights would be
+#                   read once per 16 of its tokens (prefill wants the Triton kernel) and the f32 partials
+#                   [slots, D, 16] grow (235 MB at 256 tokens, Kimi width)
 MGPU_KEYS = ("gu_q", "gu_s", "dn_q", "dn_s")
 
 
@@ -158,7 +160,7 @@ def layout_shapes(E: int, D: int, F: int, words: bool = False) -> dict:
 
 
 def supports(x_TD, experts: dict) -> bool:
-    """Shapes this path runs: T <= 64 tokens, D (matching the experts') and F multiples of 64."""
+    """Shapes this path runs: T <= MAX_TOKENS tokens, D (matching the experts') and F multiples of 64."""
     T, D = x_TD.shape
     if "gu_q" in experts:  # int4 tiles or thread words: [E, F/64, D/32, ...] either way
         F, De = experts["gu_q"].shape[1] * BM, experts["gu_q"].shape[2] * GROUP
@@ -376,18 +378,18 @@ def routing(ids_TK, w_TK):
     return slot_e, jnp.pad(wt, ((0, 0), (0, NB - T)))
 
 
-def routing_sorted(ids_TK, w_TK, n_experts: int):
+def routing_sorted(ids_TK, n_experts: int):
     """Token lists per slot, for T > 16: the T*K (token, expert) pairs sorted by expert, each expert's run cut
     into blocks of NB tokens, one slot per block -> slot_e [S] (-1: unused slot), tok [S, NB] (T for an empty
-    column), wt [S, NB] f32. S = min(T*K, E) + ceil(T*K / NB) bounds the blocks (one partial block per run).
-    A token routed to one expert twice takes two columns of its slot (the reference adds both weights)."""
+    column) and where each pair went: at_TK [T, K] = slot * NB + column. S = min(T*K, E) +
+    ceil(T*K / NB) bounds the blocks (one partial block per run). A token routed to one expert twice takes two
+    columns of its slot (the reference adds both weights)."""
     T, K = ids_TK.shape
     P = T * K
     S = min(P, n_experts) + -(-P // NB)
     e_p = ids_TK.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(e_p, stable=True)
     e_s, t_s = e_p[order], (order // K).astype(jnp.int32)
-    w_s = w_TK.reshape(-1).astype(jnp.float32)[order]
     i_p = jnp.arange(P, dtype=jnp.int32)
     new_run = jnp.concatenate([jnp.ones((1,), bool), e_s[1:] != e_s[:-1]])
     r = i_p - lax.cummax(jnp.where(new_run, i_p, 0))  # position within the expert's run
@@ -395,17 +397,16 @@ def routing_sorted(ids_TK, w_TK, n_experts: int):
     col = r % NB
     slot_e = jnp.full((S,), -1, jnp.int32).at[slot].set(e_s)
     tok = jnp.full((S, NB), T, jnp.int32).at[slot, col].set(t_s)
-    wt = jnp.zeros((S, NB), jnp.float32).at[slot, col].set(w_s)
-    return slot_e, tok, wt
+    at_TK = jnp.zeros((P,), jnp.int32).at[order].set(slot * NB + col).reshape(T, K)
+    return slot_e, tok, at_TK
 
 
 def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), interpret: bool = False):
-    """`moe_int4.moe_ref` for T <= 64 tokens with bf16 activations (x and h are rounded to bf16, as the
+    """`moe_int4.moe_ref` for T <= MAX_TOKENS tokens with bf16 activations (x and h are rounded to bf16, as the
     reference does for a bf16 x); experts in the layout above (or the checkpoint layout, converted here:
     correct but slow, a whole-layer re-layout per call). Up to 16 tokens every token is a column of every
     used expert's product (`routing`); beyond, each slot holds one expert's block of <= 16 tokens
-    (`routing_sorted`), gathered from x, and the slots' partial outputs are added per token with an exact
-    one-hot contraction (deterministic, unlike a scatter-add)."""
+    (`routing_sorted`), gathered from x, and each token's K partial outputs are gathered and added."""
     T, D = x_TD.shape
     if not supports(x_TD, experts):
         raise ValueError(f"moe_mgpu runs T <= {MAX_TOKENS} tokens with D (the experts') and F multiples of {BM}: "
@@ -417,15 +418,19 @@ def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), inter
         slot_e, wt = routing(ids_TK, w_TK)
         xg = jnp.pad(x, ((0, NB - T), (0, 0))).T.reshape(D // GROUP, GROUP, NB)
     else:
-        slot_e, tok, wt = routing_sorted(ids_TK, w_TK, experts["gu_q"].shape[0])
+        slot_e, tok, at_TK = routing_sorted(ids_TK, experts["gu_q"].shape[0])
         x_pad = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])  # row T: empty columns
         xg = jnp.transpose(x_pad[tok], (0, 2, 1)).reshape(-1, D // GROUP, GROUP, NB)
     h = _gate_up(slot_e, xg, experts["gu_q"], experts["gu_s"], cfg=cfg, interpret=interpret)
     y_PDN = _down(slot_e, h, experts["dn_q"], experts["dn_s"], cfg=cfg, interpret=interpret)
-    y_PDN = jnp.where((slot_e >= 0)[:, None, None], y_PDN, 0.0)  # inactive programs wrote nothing
     if T <= MAX_DENSE_TOKENS:
+        y_PDN = jnp.where((slot_e >= 0)[:, None, None], y_PDN, 0.0)  # inactive programs wrote nothing
         y_TD = jnp.einsum("pdn,pn->nd", y_PDN, wt)[:T]
     else:
-        hit = (tok[:, :, None] == jnp.arange(T)[None, None, :]).astype(jnp.float32) * wt[:, :, None]  # [S, NB, T]
-        y_TD = jnp.einsum("pdn,pnt->td", y_PDN, hit, precision=lax.Precision.HIGHEST)
+        # Each token's K partial rows (active slots only), gathered and weighted in k order: deterministic,
+        # unlike a scatter-add; a one-hot contraction would cost S * NB * T * D flops (13 GFLOP at 129 tokens).
+        y_XD = jnp.transpose(y_PDN, (0, 2, 1)).reshape(-1, D)  # [S * NB, D]: row slot * NB + column
+        y_TKD = y_XD[at_TK]
+        w = w_TK.astype(jnp.float32)
+        y_TD = functools.reduce(jnp.add, [w[:, k, None] * y_TKD[:, k] for k in range(ids_TK.shape[1])])
     return y_TD.astype(x_TD.dtype)

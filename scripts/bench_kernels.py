@@ -182,7 +182,7 @@ MOE_AB_CONFIGS = dict(MOE_CONFIGS,
                       stages5=dict(num_stages=5),  # deeper pipelines: more bytes in flight when few programs run
                       stages6=dict(num_stages=6),
                       blocks32_s5=dict(block_f=32, block_d=64, num_stages=5),
-                      # Mosaic GPU kernels (pallas_kernels/moe_int4_mgpu.py, T <= 64): TMA pipeline + wgmma
+                      # Mosaic GPU kernels (pallas_kernels/moe_int4_mgpu.py, T <= 256): TMA pipeline + wgmma
                       mgpu=dict(backend="mgpu"),  # 8 groups of 32 inputs per step, 3 steps in flight
                       mgpu_nowait=dict(backend="mgpu", wait_each_group=False),
                       mgpu_g4s4=dict(backend="mgpu", groups_per_step=4, stages=4),

@@ -185,23 +185,29 @@ def test_layout_keeps_the_bytes():
                                       np.asarray(dequantize(packed, scale), np.float32), err_msg=name)
 
 
-def test_sixty_five_tokens_refused():
+def test_more_than_max_tokens_refused():
     rng = np.random.default_rng(_seed())
     ex = _experts(rng)
     lay = mg.to_mgpu_layout(ex)
-    x64 = jnp.asarray(rng.normal(size=(64, D)), jnp.bfloat16)
-    x65 = jnp.asarray(rng.normal(size=(65, D)), jnp.bfloat16)
-    ids, w = _routing(rng, 65, 2)
-    assert mg.supports(x64, lay) and mg.supports(x64, ex)
-    assert not mg.supports(x65, lay) and not mg.supports(x65, ex)
+    n = mg.MAX_TOKENS
+    x_max = jnp.asarray(rng.normal(size=(n, D)), jnp.bfloat16)
+    x_over = jnp.asarray(rng.normal(size=(n + 1, D)), jnp.bfloat16)
+    ids, w = _routing(rng, n + 1, 2)
+    assert mg.supports(x_max, lay) and mg.supports(x_max, ex)
+    assert not mg.supports(x_over, lay) and not mg.supports(x_over, ex)
     for experts in (lay, ex):
-        with pytest.raises(ValueError, match="T <= 64"):
-            mg.moe_mgpu(x65, ids, w, experts, interpret=True)
+        with pytest.raises(ValueError, match=f"T <= {n}"):
+            mg.moe_mgpu(x_over, ids, w, experts, interpret=True)
 
 
 def test_token_lists_beyond_sixteen_tokens():
     # 21 tokens: per-slot token lists (each expert's tokens in blocks of 16), thread-words weights
     _check(T=21, K=3, words=True)
+
+
+def test_token_lists_seventy_tokens_ragged():
+    # past the old 64-token cap; 70 * 3 pairs over 6 experts: runs of ~35 pairs (2-3 slots each, a ragged last one)
+    _check(T=70, K=3, words=True)
 
 
 def test_token_lists_one_expert_over_several_blocks():
@@ -214,23 +220,19 @@ def test_token_lists_one_expert_over_several_blocks():
 
 def test_routing_sorted_blocks():
     ids = jnp.asarray([[3, 1], [3, 0], [1, 3]] + [[5, 3]] * 15, jnp.int32)  # expert 3: 18 pairs -> 2 blocks
-    w = jnp.arange(36, dtype=jnp.float32).reshape(18, 2) / 100
-    slot_e, tok, wt = mg.routing_sorted(ids, w, n_experts=6)
-    assert slot_e.shape == (6 + 3,) and tok.shape == wt.shape == (9, 16)
-    e = np.asarray(slot_e)
+    slot_e, tok, at = mg.routing_sorted(ids, n_experts=6)
+    assert slot_e.shape == (6 + 3,) and tok.shape == (9, 16) and at.shape == ids.shape
+    e, tok, at = np.asarray(slot_e), np.asarray(tok), np.asarray(at)
     assert e.tolist()[:5] == [0, 1, 3, 3, 5] and (e[5:] == -1).all()
-    # every pair appears once, with its weight, under a slot of its expert
-    seen = {}
-    for s_, ex in enumerate(e):
-        for c in range(16):
-            t = int(tok[s_, c])
-            if t < 18:
-                seen[(t, int(ex))] = seen.get((t, int(ex)), 0.0) + float(wt[s_, c])
-    want = {}
+    # every pair (t, k) has its own column, in a slot of its expert, holding token t; all other columns are empty
+    assert len(set(at.ravel().tolist())) == at.size
     for t in range(18):
         for k in range(2):
-            want[(t, int(ids[t, k]))] = want.get((t, int(ids[t, k])), 0.0) + float(w[t, k])
-    assert seen.keys() == want.keys() and all(abs(seen[k] - want[k]) < 1e-7 for k in want)
+            s_, c = divmod(int(at[t, k]), 16)
+            assert e[s_] == int(ids[t, k]) and tok[s_, c] == t, (t, k)
+    used = np.zeros(tok.size, bool)
+    used[at.ravel()] = True
+    assert (tok.ravel()[~used] == 18).all()
 
 
 @pytest.mark.parametrize("cfg,words", [(mg.Config(), False), (mg.Config(wait_each_group=False), False),
@@ -243,7 +245,7 @@ def test_gpu_lowering_at_kimi_width(cfg, words):
     S = jax.ShapeDtypeStruct
     E_, D_, F_ = 384, 7168, 2048
     ex = mg.layout_shapes(E_, D_, F_, words)
-    for T in (1, 16, 33):  # 33: the per-slot token lists
+    for T in (1, 16, 33, 256):  # 33, 256: the per-slot token lists
         args = (S((T, D_), jnp.bfloat16), S((T, 8), jnp.int32), S((T, 8), jnp.float32), ex)
         text = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
