@@ -350,7 +350,8 @@ def load_target(path_or_preset: str | os.PathLike, *, dtype: str | None = None, 
     1T random parameters do not fit). `shardings` (a tree matching the params) or `mesh` + `layout`
     place each tensor directly on its shards; with a `mesh` (sharding.mesh.make_mesh) the target also runs
     its routed experts expert-parallel (sharding.moe_ep) and puts its caches on the mesh. attn_impl / moe_impl:
-    "xla", "pallas" or "interpret" (default: `default_kernel_impl`; a GGUF target takes attn_impl only).
+    "xla", "pallas" or "interpret"; moe_impl also "mgpu" / "mgpu_interpret" (the Mosaic GPU MoE, opt-in)
+    (default: `default_kernel_impl`; a GGUF target takes attn_impl only).
     """
     from kimijax.target import KimiTarget, convert_expert_layout, random_kimi_params, resolve_expert_layout
     if str(path_or_preset) == SMOLLM2_PRESET or _is_gguf(path_or_preset):

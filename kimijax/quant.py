@@ -1,6 +1,6 @@
 """INT4 compressed-tensors "pack-quantized" layout (routed experts of K2-Thinking, K2.5, K2.6).
 
-Checkpoint layout, kept as-is in device memory (the XLA reference and the Pallas kernel both read it):
+Checkpoint layout (what the files hold; the XLA reference reads it, and every other layout):
   weight_packed  int32 [out, in/8]   element c of a row lives in word c // 8, bits 4*(c % 8) .. +3
                                      (element 0 in the least significant nibble), stored as q + 8.
   weight_scale   bf16  [out, in/32]  one symmetric scale per 32 consecutive inputs.
@@ -8,7 +8,9 @@ Checkpoint layout, kept as-is in device memory (the XLA reference and the Pallas
 Dequantize: W[r, c] = bf16(q[r, c]) * scale[r, c // 32], multiplied in bf16 as compressed-tensors does.
 
 Experts of one layer are stacked on a leading E axis: packed [E, out, in/8], scale [E, out, in/32].
-The Pallas kernel's load-time re-layout (words tiled for it, scales paired) is pallas_kernels/moe_layout.py.
+The Triton MoE kernel's load-time re-layout (words tiled for it, scales paired) is pallas_kernels/moe_layout.py;
+the Mosaic GPU kernel's (thread words per [64, 32] tile, `to_mgpu_layout`) is pallas_kernels/moe_int4_mgpu.py.
+Both keep the bytes; kimijax/target.py converts between the three layouts.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ Caches are a list (one entry per layer) of arrays whose axis 1 is the cache slot
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -54,6 +55,9 @@ class KimiTarget:
     expert_layout: str = "auto"
 
     def __post_init__(self):
+        from pallas_kernels.moe_int4 import IMPLS
+        if self.moe_impl not in IMPLS:
+            raise ValueError(f"unknown MoE impl {self.moe_impl!r}: choose one of {', '.join(IMPLS)}")
         if self.mesh is not None and self.expert_fn is None:
             from sharding.moe_ep import make_expert_fn
             self.expert_fn = make_expert_fn(self.mesh)
@@ -99,19 +103,19 @@ class KimiTarget:
     def on_mesh(self, mesh, layout: str | None = None, dispatch: str = "auto") -> "KimiTarget":
         """This target on a device mesh: params resharded by sharding.rules, routed experts through
         sharding.moe_ep (for loading straight onto a mesh use load_target(path, mesh=..., layout=...))."""
-        from pallas_kernels.moe_layout import kernel_layout_ok
         from sharding.mesh import mesh_sizes
         from sharding.moe_ep import make_expert_fn
         from sharding.rules import param_shardings
-        fits = kernel_layout_ok(self.cfg.hidden_size, self.cfg.moe_intermediate_size, mesh_sizes(mesh)["tensor"])
-        if self.expert_layout == "kernel" and fits:
-            # the kernel layout splits along F like the checkpoint layout does: reshard, no conversion
-            params = jax.device_put(self.params, param_shardings(abstract_params(self.cfg, "kernel"), mesh, layout))
-            layout_pref = "kernel"
-        else:  # via the checkpoint layout (the kernel layout does not fit this mesh's tensor axis, or is not used)
+        kernel_layout = self.expert_layout in ("kernel", "mgpu")
+        if kernel_layout and _layout_ok(self.cfg, self.expert_layout, mesh_sizes(mesh)["tensor"]):
+            # the kernels' layouts split along F like the checkpoint layout does: reshard, no conversion
+            params = jax.device_put(self.params, param_shardings(abstract_params(self.cfg, self.expert_layout), mesh,
+                                                                 layout))
+            layout_pref = self.expert_layout
+        else:  # via the checkpoint layout (the kernel's layout does not fit this mesh's tensor axis, or is not used)
             params = convert_expert_layout(self.params, "checkpoint")
             params = jax.device_put(params, param_shardings(self.cfg, mesh, layout))
-            layout_pref = "auto" if self.expert_layout == "kernel" else self.expert_layout
+            layout_pref = "auto" if kernel_layout else self.expert_layout
         return dataclasses.replace(self, params=params, mesh=mesh, expert_fn=make_expert_fn(mesh, dispatch),
                                    expert_layout=layout_pref)
 
@@ -170,84 +174,111 @@ def expert_ids(state, cfg: KimiConfig):
     return jnp.stack(ids) if ids else jnp.zeros((0,), jnp.int32)
 
 
-from pallas_kernels.moe_layout import _CKPT_KEYS, _PLANAR_KEYS  # noqa: E402 (the expert dict keys of each layout)
+from pallas_kernels.moe_int4_mgpu import MGPU_KEYS  # noqa: E402 (the expert dict keys of each layout)
+from pallas_kernels.moe_layout import _CKPT_KEYS, _PLANAR_KEYS  # noqa: E402
 
-EXPERT_KEYS = {"checkpoint": _CKPT_KEYS, "kernel": _PLANAR_KEYS}
+EXPERT_KEYS = {"checkpoint": _CKPT_KEYS, "kernel": _PLANAR_KEYS, "mgpu": MGPU_KEYS}
+# The MoE implementations whose kernel has a layout of its own (moe_int4.IMPLS)
+LAYOUT_OF_IMPL = {"pallas": "kernel", "interpret": "kernel", "mgpu": "mgpu", "mgpu_interpret": "mgpu"}
+
+
+def _layout_ok(cfg: KimiConfig, layout: str, tp: int) -> bool:
+    from pallas_kernels.moe_layout import kernel_layout_ok
+
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    if not cfg.experts_int4:
+        return False
+    if layout == "kernel":  # 128-input superblocks, within an F shard
+        return kernel_layout_ok(D, F, tp)
+    return D % 64 == 0 and F % tp == 0 and (F // tp) % 64 == 0  # mgpu: [64, 32] tiles, within an F shard
 
 
 def resolve_expert_layout(cfg: KimiConfig, moe_impl: str, mesh=None, want: str = "auto") -> str:
-    """The routed-expert layout a target keeps: "kernel" when the Pallas MoE runs and D and F (per tensor
-    shard) are multiples of its 128-input superblock, else "checkpoint". An explicit "kernel" the shapes or
-    weights do not allow raises ValueError."""
-    from pallas_kernels.moe_layout import kernel_layout_ok
-
-    if want not in ("auto", "checkpoint", "kernel"):
-        raise ValueError(f"unknown expert layout {want!r}: choose auto, checkpoint or kernel")
+    """The routed-expert layout a target keeps: the layout of the MoE kernel that runs ("kernel" for the
+    Triton kernel, "mgpu" for the Mosaic one) when D and F (per tensor shard) suit its tiles, else
+    "checkpoint". An explicit layout the shapes or weights do not allow raises ValueError."""
+    if want not in ("auto", *EXPERT_KEYS):
+        raise ValueError(f"unknown expert layout {want!r}: choose auto, {', '.join(EXPERT_KEYS)}")
     if want == "checkpoint":
         return want
     tp = 1
     if mesh is not None:
         from sharding.mesh import mesh_sizes
         tp = mesh_sizes(mesh)["tensor"]
-    ok = cfg.experts_int4 and kernel_layout_ok(cfg.hidden_size, cfg.moe_intermediate_size, tp)
-    if want == "kernel" and not ok:
-        raise ValueError(f"the kernel expert layout needs INT4 experts with hidden_size and moe_intermediate_size"
-                         f"/{tp} divisible by 128 (got int4={cfg.experts_int4}, D={cfg.hidden_size}, "
+    layout = LAYOUT_OF_IMPL.get(moe_impl) if want == "auto" else want
+    if layout is None:
+        return "checkpoint"
+    ok = _layout_ok(cfg, layout, tp)
+    if want != "auto" and not ok:
+        tile = 128 if layout == "kernel" else 64
+        raise ValueError(f"the {layout} expert layout needs INT4 experts with hidden_size and moe_intermediate_size"
+                         f"/{tp} divisible by {tile} (got int4={cfg.experts_int4}, D={cfg.hidden_size}, "
                          f"F={cfg.moe_intermediate_size})")
-    if want == "kernel":
-        return want
-    return "kernel" if ok and moe_impl in ("pallas", "interpret") else "checkpoint"
+    return layout if ok else "checkpoint"
+
+
+def _layer_layout(mlp) -> str | None:
+    return next((name for name, keys in EXPERT_KEYS.items() if keys[0] in mlp), None)
 
 
 def _moe_blocks(params):
     """(layer name, mlp dict) of every layer whose routed experts are INT4."""
     for name, layer in params.items():
         mlp = layer.get("mlp") if hasattr(layer, "get") else None
-        if mlp is not None and any(k in mlp for k in EXPERT_KEYS["checkpoint"][:1] + EXPERT_KEYS["kernel"][:1]):
+        if mlp is not None and _layer_layout(mlp) is not None:
             yield name, mlp
 
 
 def params_expert_layout(params) -> str:
     for _, mlp in _moe_blocks(params):
-        return "kernel" if "gate_planar" in mlp else "checkpoint"
+        return _layer_layout(mlp)
     return "checkpoint"  # no INT4 experts: nothing to convert
 
 
+def _relayout_fn(src: str, dst: str):
+    """The expert-dict conversion src -> dst (through the checkpoint layout)."""
+    from pallas_kernels.moe_int4_mgpu import from_mgpu_layout, to_mgpu_layout
+    from pallas_kernels.moe_layout import relayout_for_kernel, relayout_to_checkpoint
+
+    to_ckpt = {"checkpoint": lambda e: e, "kernel": relayout_to_checkpoint, "mgpu": from_mgpu_layout}[src]
+    from_ckpt = {"checkpoint": lambda e: e, "kernel": relayout_for_kernel,
+                 "mgpu": functools.partial(to_mgpu_layout, words=True)}[dst]
+    return lambda experts: from_ckpt(to_ckpt(experts))
+
+
 def convert_expert_layout(params, layout: str, mesh=None, donate: bool = False, progress: bool = False):
-    """Params with every layer's INT4 routed experts in `layout` ("checkpoint" | "kernel"); other leaves are
+    """Params with every layer's INT4 routed experts in `layout` (a key of EXPERT_KEYS); other leaves are
     shared, not copied. One jitted conversion per layer, so the temporary is one layer's experts; donate=True
     (load time, when nothing else holds the params) frees each layer's old arrays as it goes. On a mesh the
     converted arrays get the shardings of the new layout's logical axes (the transposed scales swap theirs)."""
     import warnings
 
-    from pallas_kernels.moe_layout import relayout_for_kernel, relayout_to_checkpoint
-
     if layout not in EXPERT_KEYS:
-        raise ValueError(f"unknown expert layout {layout!r}: choose checkpoint or kernel")
-    src = EXPERT_KEYS["kernel" if layout == "checkpoint" else "checkpoint"]
-    fn = relayout_for_kernel if layout == "kernel" else relayout_to_checkpoint
+        raise ValueError(f"unknown expert layout {layout!r}: choose {', '.join(EXPERT_KEYS)}")
     out = dict(params)
-    todo = [(name, mlp) for name, mlp in _moe_blocks(params) if src[0] in mlp]
+    todo = [(name, mlp) for name, mlp in _moe_blocks(params) if _layer_layout(mlp) != layout]
     if not todo:
         return params
-    convert = None
+    converts = {}
     if progress:
         from tqdm.auto import tqdm
         todo = tqdm(todo, desc=f"experts -> {layout} layout", unit="layer")
     for name, mlp in todo:
-        experts = {k: mlp[k] for k in src}
-        if convert is None:
+        src = _layer_layout(mlp)
+        experts = {k: mlp[k] for k in EXPERT_KEYS[src]}
+        if src not in converts:
+            fn = _relayout_fn(src, layout)
             out_sh = None
             if mesh is not None:
                 from jax.sharding import NamedSharding
                 from sharding.moe_ep import expert_specs
                 shapes = jax.eval_shape(fn, experts)
                 out_sh = {k: NamedSharding(mesh, p) for k, p in expert_specs(shapes, mesh).items()}
-            convert = jax.jit(fn, out_shardings=out_sh, donate_argnums=(0,) if donate else ())
+            converts[src] = jax.jit(fn, out_shardings=out_sh, donate_argnums=(0,) if donate else ())
         with warnings.catch_warnings():  # backends without donation say so once per call
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            new = convert(experts)
-        out[name] = {**params[name], "mlp": {**{k: v for k, v in mlp.items() if k not in src}, **new}}
+            new = converts[src](experts)
+        out[name] = {**params[name], "mlp": {**{k: v for k, v in mlp.items() if k not in EXPERT_KEYS[src]}, **new}}
     return out
 
 

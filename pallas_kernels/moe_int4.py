@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton  # Triton lowering (deprecated in jax 0.11, working)
 
 from kimijax.quant import dequantize
+from pallas_kernels import moe_int4_mgpu as mg
 from pallas_kernels.moe_layout import SB, TILE_DN, TILE_GU, dequant_expert, relayout_for_kernel
 from pallas_kernels.tree_attention import next_pow2
 
@@ -87,16 +88,18 @@ def _expert_weights(experts: dict, e, dtype):
     elif "gate_planar" in experts:
         g, u, d = (dequant_expert(n, experts[f"{n}_planar"][e], experts[f"{n}_scale_t"][e], dtype)
                    for n in ("gate", "up", "down"))
+    elif "gu_q" in experts:
+        g, u, d = mg.expert_weights(experts, e, dtype)
     else:
         g, u, d = (experts[k][e].astype(dtype) for k in ("gate", "up", "down"))
     return g, u, d
 
 
 def num_experts(experts: dict) -> int:
-    for k in ("gate_packed", "gate_planar", "gate"):
+    for k in ("gate_packed", "gate_planar", "gu_q", "gate"):
         if k in experts:
             return experts[k].shape[0]
-    raise KeyError("expert dict has none of gate_packed / gate_planar / gate")
+    raise KeyError("expert dict has none of gate_packed / gate_planar / gu_q / gate")
 
 
 def moe_ref(x_TD, ids_TK, w_TK, experts: dict):
@@ -545,17 +548,46 @@ def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None,
     return y[:T].astype(x_TD.dtype)
 
 
-def moe(x_TD, ids_TK, w_TK, experts: dict, *, impl: str = "xla"):
-    """Dispatch point used by the model: impl "xla" (reference), "pallas" (GPU kernel) or "interpret".
+IMPLS = ("xla", "pallas", "interpret", "mgpu", "mgpu_interpret")
 
-    Shapes the kernel does not support (see module docstring) run `moe_ref` instead."""
+
+def moe(x_TD, ids_TK, w_TK, experts: dict, *, impl: str = "xla"):
+    """Dispatch point used by the model: impl "xla" (reference), "pallas" (this file's Triton kernels),
+    "mgpu" (the Mosaic GPU kernels of moe_int4_mgpu.py, experts in their layout) or "interpret" /
+    "mgpu_interpret" (the same on the CPU).
+
+    Shapes a kernel does not support (see the module docstrings) run `moe_ref` instead; passes longer than
+    the Mosaic kernels take run through them in equal chunks (`moe_mgpu_chunks`)."""
     if impl == "xla":
         return moe_ref(x_TD, ids_TK, w_TK, experts)
     if impl in ("pallas", "interpret"):
         if not kernel_supports(x_TD, experts):
             return moe_ref(x_TD, ids_TK, w_TK, experts)
         return moe_pallas(x_TD, ids_TK, w_TK, experts, interpret=impl == "interpret")
-    raise ValueError(f"unknown MoE impl {impl!r}")
+    if impl in ("mgpu", "mgpu_interpret"):
+        if "gu_q" not in experts or not mg.supports(x_TD[:1], experts):
+            return moe_ref(x_TD, ids_TK, w_TK, experts)
+        return moe_mgpu_chunks(x_TD, ids_TK, w_TK, experts, interpret=impl == "mgpu_interpret")
+    raise ValueError(f"unknown MoE impl {impl!r}: choose one of {', '.join(IMPLS)}")
+
+
+def moe_mgpu_chunks(x_TD, ids_TK, w_TK, experts: dict, *, interpret: bool = False):
+    """The Mosaic GPU MoE (thread words, two down tiles per program: the fastest measured) over any number of
+    tokens: up to mg.MAX_TOKENS in one call, more (prefill) as equal chunks of at most that many, each reading
+    its experts again (a prefill cost the Triton kernel does not pay; decode and verify passes are one chunk).
+    Padding rows route to expert ids[0] with weight 0 and are dropped."""
+    T, D = x_TD.shape
+    cfg = mg.Config(down_tiles=2)
+    if T <= mg.MAX_TOKENS:
+        return mg.moe_mgpu(x_TD, ids_TK, w_TK, experts, cfg=cfg, interpret=interpret)
+    n = -(-T // mg.MAX_TOKENS)
+    c = -(-T // n)
+    pad = n * c - T
+    x = jnp.pad(x_TD, ((0, pad), (0, 0))).reshape(n, c, D)
+    ids = jnp.concatenate([ids_TK, jnp.broadcast_to(ids_TK[:1], (pad, ids_TK.shape[1]))]).reshape(n, c, -1)
+    w = jnp.pad(w_TK, ((0, pad), (0, 0))).reshape(n, c, -1)
+    y = lax.map(lambda a: mg.moe_mgpu(*a, experts, cfg=cfg, interpret=interpret), (x, ids, w))
+    return y.reshape(n * c, D)[:T]
 
 
 def _main():  # pragma: no cover - manual check / timing of one case

@@ -154,6 +154,51 @@ def to_mgpu_layout(experts: dict, words: bool = False) -> dict:
     return {"gu_q": gu_q, "gu_s": gu_s.astype(jnp.bfloat16), "dn_q": dn_q, "dn_s": dn_s.astype(jnp.bfloat16)}
 
 
+def _unblocks(q, s):
+    """Inverse of _blocks: [out/64, in/32, 64, 32] q and [out/64, in/32, 64] scales -> [out, in], [out, in/32]."""
+    O64, G = q.shape[:2]
+    return (jnp.transpose(q, (0, 2, 1, 3)).reshape(O64 * BM, G * GROUP),
+            jnp.transpose(s, (0, 2, 1)).reshape(O64 * BM, G))
+
+
+def _expert_blocks(gu_q, gu_s, dn_q, dn_s):
+    """One expert in the layout above (int4 tiles or thread words) -> int32 q blocks: gate and up
+    [F/64, D/32, 64, 32] each, down [D/64, F/32, 64, 32], with their [.., 64] scales."""
+    if gu_q.dtype == jnp.int32:  # thread words
+        gq, dq = _words_tile(gu_q), _words_tile(dn_q)  # [F/64, D/32, 2, 64, 32], [D/64, F/32, 64, 32]
+    else:
+        gq = gu_q.astype(jnp.int32).reshape(*gu_q.shape[:2], 2, BM, GROUP)
+        dq = dn_q.astype(jnp.int32)
+    gs = gu_s.reshape(*gu_s.shape[:2], 2, BM)
+    return (gq[:, :, 0], gs[:, :, 0]), (gq[:, :, 1], gs[:, :, 1]), (dq, dn_s)
+
+
+def expert_weights(experts: dict, e, dtype):
+    """Expert e's gate, up ([F, D]) and down ([D, F]) dequantised from this layout, with the numerics of
+    kimijax.quant.dequantize (bf16(q * s)); for `moe_int4.moe_ref`, the reference of every layout."""
+    out = []
+    for q, s in _expert_blocks(*(experts[k][e] for k in MGPU_KEYS)):
+        w, sc = _unblocks(q, s)
+        w = (w.astype(jnp.bfloat16).reshape(*sc.shape, GROUP) * sc.astype(jnp.bfloat16)[..., None])
+        out.append(w.reshape(sc.shape[0], -1).astype(dtype))
+    return tuple(out)
+
+
+def from_mgpu_layout(experts: dict) -> dict:
+    """Inverse of `to_mgpu_layout` (either variant): the checkpoint dict, bit for bit."""
+    from pallas_kernels.moe_layout import _pack_nibbles
+
+    def one(args):
+        ck = []
+        for q, s in _expert_blocks(*args):
+            w, sc = _unblocks(q, s)
+            ck += [_pack_nibbles(w + 8), sc.astype(jnp.bfloat16)]
+        return tuple(ck)
+
+    outs = lax.map(one, tuple(experts[k] for k in MGPU_KEYS))
+    return dict(zip(("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"), outs))
+
+
 def layout_shapes(E: int, D: int, F: int, words: bool = False) -> dict:
     """ShapeDtypeStructs of `to_mgpu_layout`'s output for E experts of width D, F (nothing allocated)."""
     return jax.eval_shape(functools.partial(to_mgpu_layout, words=words), checkpoint_shapes(E, D, F, GROUP))

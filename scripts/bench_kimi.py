@@ -213,17 +213,17 @@ def build_slice(args) -> Slice:
     from kimijax.config import KIMI_K26, TINY
     from kimijax.loading import default_kernel_impl
     from kimijax.models.drafter import DrafterConfig, default_target_layer_ids, random_drafter
-    from kimijax.target import KimiTarget, convert_expert_layout
+    from kimijax.target import KimiTarget, convert_expert_layout, resolve_expert_layout
 
     n = args.layers
     # smoke: TINY with D and F multiples of 128, so the planar expert path runs on CPU too
     small = dataclasses.replace(TINY, hidden_size=128, moe_intermediate_size=128, intermediate_size=256)
     cfg = dataclasses.replace(small if args.smoke else KIMI_K26, num_hidden_layers=n)
     attn_impl = args.attn_impl or args.kernels or default_kernel_impl("tree_attention")
-    moe_impl = args.kernels or default_kernel_impl("moe_int4")
+    moe_impl = args.moe_impl or args.kernels or default_kernel_impl("moe_int4")
     t = time.perf_counter()
     params = build_target_params(cfg, n, args.seed)
-    layout = args.expert_layout if moe_impl != "xla" else "checkpoint"  # the XLA reference reads checkpoints
+    layout = resolve_expert_layout(cfg, moe_impl, want=args.expert_layout)
     # converted here with donation, as load_target does (the target would copy: 2x the experts' memory)
     params = convert_expert_layout(params, layout, donate=True)
     target = KimiTarget(cfg, params, attn_impl, moe_impl, random_weights=True, expert_layout=layout)
@@ -245,7 +245,7 @@ def build_slice(args) -> Slice:
     dp = drafter.params
     fc = int(dp["fc"].nbytes) if "fc" in dp else 0
     info = dict(layers=n, moe_layers=sum(cfg.is_moe_layer(i) for i in range(n)), attn_impl=attn_impl,
-                moe_impl=moe_impl, expert_layout=args.expert_layout, weights_bytes=nbytes(params),
+                moe_impl=moe_impl, expert_layout=layout, weights_bytes=nbytes(params),
                 drafter_bytes=nbytes(dp), drafter_fc_bytes=fc,
                 drafter_layer_bytes=nbytes(dp["layers_0"]) if "layers_0" in dp else 0,
                 drafter_layers=dcfg.num_hidden_layers, block_size=dcfg.block_size,
@@ -255,7 +255,7 @@ def build_slice(args) -> Slice:
                 dcfg={k: v for k, v in dataclasses.asdict(dcfg).items() if not isinstance(v, dict)})
     print(f"slice: {n} layers ({info['moe_layers']} MoE), {info['weights_bytes'] / 1e9:.1f} GB target + "
           f"{info['drafter_bytes'] / 1e9:.1f} GB drafter, init {t_init:.1f}s + {t_dinit:.1f}s; kernels "
-          f"attn={attn_impl} moe={moe_impl}, experts in the {args.expert_layout} layout", flush=True)
+          f"attn={attn_impl} moe={moe_impl}, experts in the {layout} layout", flush=True)
     return Slice(cfg, dcfg, target, drafter, info)
 
 
@@ -771,7 +771,7 @@ def run_component_case(comp: Components, method: str, B: int, ctx: int, args) ->
         rec["router_ms"] = comp.router(N)
         rec["moe_ms"] = comp.moe(N)
         rec["distinct_experts_batch"] = comp.distinct(N)
-        if B == 1 and args.expert_layout == "kernel" and not any(k[0] == "moe_ckpt" for k in comp.ms):
+        if B == 1 and comp.sl.info["expert_layout"] != "checkpoint" and not any(k[0] == "moe_ckpt" for k in comp.ms):
             rec["moe_checkpoint_layout_ms"] = comp.moe(N, checkpoint_layout=True)
     rec["dense_mlp_ms"] = comp.dense_mlp(N)
     rec["head_ms"] = comp.head(N)
@@ -882,7 +882,7 @@ def component_keys(comp: Components, method, B, ctx, args) -> set:
     keys = {("attn", B, T, ctx), ("dense_mlp", N), ("head", N), ("accept", B, T)}
     if comp.p_moe is not None:
         keys |= {("moe", N), ("router", N)}
-        if B == 1 and args.expert_layout == "kernel" and not any(k[0] == "moe_ckpt" for k in comp.ms):
+        if B == 1 and comp.sl.info["expert_layout"] != "checkpoint" and not any(k[0] == "moe_ckpt" for k in comp.ms):
             keys.add(("moe_ckpt", N))
     if b:
         keys |= {("drafter", B, ctx), ("tree", B, b), ("ctx_kv", B, comp.sl.info["block_size"])}
@@ -1059,7 +1059,9 @@ def parse_args(argv=None):
     ap.add_argument("--component-cases", default=None, help="same format; default: the whole grid, priority first")
     ap.add_argument("--kernels", default=None, help="xla | pallas (default: the engine's default)")
     ap.add_argument("--attn-impl", default=None, help="tree attention only: auto | pallas | xla (overrides --kernels)")
-    ap.add_argument("--expert-layout", default="kernel", choices=("kernel", "checkpoint"))
+    ap.add_argument("--moe-impl", default=None, help="routed experts only: xla | pallas | mgpu (overrides --kernels)")
+    ap.add_argument("--expert-layout", default="auto", choices=("auto", "kernel", "mgpu", "checkpoint"),
+                    help="auto: the layout of the MoE kernel that runs (checkpoint for xla)")
     ap.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the config's, 8)")
     ap.add_argument("--draft-window", type=int, default=None)
     ap.add_argument("--no-profile", action="store_true")

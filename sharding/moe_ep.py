@@ -37,7 +37,7 @@ from pallas_kernels.moe_int4 import moe, num_experts
 from sharding.mesh import ShardingError, mesh_sizes
 from sharding.rules import logical_to_spec
 
-# Logical axes of the routed-expert dict leaves, checkpoint (packed), kernel (planar) and bf16 layouts.
+# Logical axes of the routed-expert dict leaves, checkpoint (packed), kernel (planar), mgpu and bf16 layouts.
 EXPERT_AXES: dict[str, tuple[str, ...]] = {
     "gate_packed": ("expert", "expert_mlp", "embed_packed"),
     "gate_scale": ("expert", "expert_mlp", "embed_groups"),
@@ -51,6 +51,12 @@ EXPERT_AXES: dict[str, tuple[str, ...]] = {
     "up_scale_t": ("expert", "embed_groups", "expert_mlp"),
     "down_planar": ("expert", "expert_mlp_packed", "embed"),  # tiles superblock-major: F splits axis 1
     "down_scale_t": ("expert", "expert_mlp_groups", "embed"),
+    # Mosaic layout (pallas_kernels/moe_int4_mgpu.py): F's 64-row blocks (gate/up) and 32-input groups (down)
+    # split over the tensor axis; the tile dimensions stay whole
+    "gu_q": ("expert", "expert_mlp", "embed_groups", "tile", "tile"),
+    "gu_s": ("expert", "expert_mlp", "embed_groups", "tile"),
+    "dn_q": ("expert", "embed", "expert_mlp_groups", "tile"),
+    "dn_s": ("expert", "embed", "expert_mlp_groups", "tile"),
     "gate": ("expert", "expert_mlp", "embed"),
     "up": ("expert", "expert_mlp", "embed"),
     "down": ("expert", "embed", "expert_mlp"),

@@ -106,10 +106,12 @@ def test_plan_cases_priority():
 def test_smoke_end_to_end(tmp_path):
     out = tmp_path / "bench_kimi.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], env=env, capture_output=True,
-                       text=True, timeout=300)
+    # the kernel layout under the XLA reference (CPU), so the checkpoint-layout comparison runs too
+    r = subprocess.run([sys.executable, SCRIPT, "--smoke", "--expert-layout", "kernel", "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     res = json.loads(out.read_text())
+    assert res["slice"]["expert_layout"] == "kernel"
     (case,) = res["cases"]
     assert case["method"] == "b4" and case["round_ms"] > 0 and case["profile"]["layer_ms"], case
     assert len(case["distinct_experts_per_layer"]) == res["slice"]["moe_layers"]

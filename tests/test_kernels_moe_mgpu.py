@@ -250,3 +250,60 @@ def test_gpu_lowering_at_kimi_width(cfg, words):
         text = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
         assert text.count("mosaic_gpu") >= 2
+
+
+# ------------------------------------------------------------------ the model runs the Mosaic kernel
+def test_target_keeps_the_mgpu_layout_and_computes_the_same():
+    import dataclasses
+
+    from kimijax.config import TINY
+    from kimijax.target import (KimiTarget, convert_expert_layout, params_expert_layout, random_kimi_params,
+                                resolve_expert_layout)
+
+    assert resolve_expert_layout(TINY, "mgpu_interpret") == "checkpoint"  # F = 32: not a 64-row block
+    with pytest.raises(ValueError, match="mgpu expert layout"):
+        KimiTarget(TINY, random_kimi_params(TINY), expert_layout="mgpu")
+    # two layers (dense, MoE): one MoE layer compares the kernel alone (a second one's router could flip a
+    # near-tie on the kernel's bf16 rounding)
+    cfg = dataclasses.replace(TINY, hidden_size=128, moe_intermediate_size=128, intermediate_size=256,
+                              dtype="float32", num_hidden_layers=2)
+    p = random_kimi_params(cfg, seed=_seed() % 2**31)
+    ckpt = KimiTarget(cfg, p)
+    kern = KimiTarget(cfg, p, moe_impl="mgpu_interpret")  # converted to the Mosaic layout at construction
+    assert kern.expert_layout == "mgpu" and params_expert_layout(kern.params) == "mgpu"
+    mlp = kern.params["layers_1"]["mlp"]
+    assert set(mlp) >= set(mg.MGPU_KEYS) and "gate_packed" not in mlp and mlp["gu_q"].dtype == jnp.int32
+    assert kern.params["layers_0"] is p["layers_0"] and "gate_packed" in p["layers_1"]["mlp"]
+    # the reference reads the Mosaic layout bit for bit; the kernel matches it within bf16 rounding
+    ref_mgpu = KimiTarget(cfg, p, moe_impl="xla", expert_layout="mgpu")
+    toks = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 7))
+    l_ckpt = np.asarray(ckpt.forward(toks))
+    np.testing.assert_array_equal(np.asarray(ref_mgpu.forward(toks)), l_ckpt)
+    np.testing.assert_allclose(np.asarray(kern.forward(toks)), l_ckpt, atol=5e-2, rtol=5e-2)
+    # back to the checkpoint, and from the Triton kernel's layout, bit for bit
+    back = convert_expert_layout(kern.params, "checkpoint")
+    via_planar = convert_expert_layout(convert_expert_layout(p, "kernel"), "mgpu")
+    for k, v in p["layers_1"]["mlp"].items():
+        np.testing.assert_array_equal(np.asarray(back["layers_1"]["mlp"][k]), np.asarray(v), err_msg=k)
+    for k in mg.MGPU_KEYS:
+        np.testing.assert_array_equal(np.asarray(via_planar["layers_1"]["mlp"][k]), np.asarray(mlp[k]), err_msg=k)
+
+
+def test_long_passes_run_in_chunks(monkeypatch):
+    # prefill-sized passes: equal chunks of at most MAX_TOKENS (here 16, so 37 tokens are 3 chunks of 13 with
+    # 2 padding rows), each through the kernel; the dispatch picks this path for impl "mgpu"
+    monkeypatch.setattr(mg, "MAX_TOKENS", 16)
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    ex = _experts(rng)
+    T, K = 37, 2
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    ids, w = _routing(rng, T, K)
+    lay = mg.to_mgpu_layout(ex, words=True)
+    y = jax.jit(functools.partial(mi.moe, impl="mgpu_interpret"))(x, ids, w, lay)
+    y_ref = jax.jit(mi.moe_ref)(x, ids, w, ex)
+    assert y.shape == (T, D) and np.all(np.isfinite(np.asarray(y, np.float32)))
+    assert _rel(y, y_ref) < 2e-2, f"seed={seed}"
+    # the unknown impl names the choices
+    with pytest.raises(ValueError, match="mgpu_interpret"):
+        mi.moe(x, ids, w, lay, impl="mosaic")

@@ -267,6 +267,26 @@ def test_kernel_expert_layout_on_a_mesh(layout):
     assert t4.expert_layout == "checkpoint" and "gate_packed" in t4.params["layers_1"]["mlp"]
 
 
+def test_mgpu_expert_layout_on_a_mesh():
+    """The Mosaic MoE's layout on a mesh: F's row blocks / input groups split over "tensor", experts over
+    "expert"; the model (the XLA reference reading that layout, psum'ed over both axes) computes what one
+    device does, and moving to another mesh that fits reshards without converting."""
+    cfg = dataclasses.replace(tiny8_config("float32"), hidden_size=128, num_hidden_layers=2)
+    single = KimiTarget(cfg, random_kimi_params(cfg, seed=5))
+    tokens = np.random.default_rng(1).integers(3, cfg.vocab_size - 1, size=(2, 8))
+    t = dataclasses.replace(single.on_mesh(make_mesh("tp2ep4"), "tp2ep4"), expert_layout="mgpu")
+    mlp = t.params["layers_1"]["mlp"]
+    assert "gu_q" in mlp and "gate_packed" not in mlp
+    assert mlp["gu_q"].sharding.spec == P("expert", "tensor")
+    assert mlp["dn_s"].sharding.spec == P("expert", None, "tensor")
+    np.testing.assert_allclose(np.asarray(t.forward(tokens)), np.asarray(single.forward(tokens)), atol=2e-4, rtol=1e-4)
+    other = t.on_mesh(make_mesh("tp4ep2"))  # 256 / 4 = 64 rows per F shard: one block each
+    assert other.expert_layout == "mgpu"
+    assert other.params["layers_1"]["mlp"]["gu_q"].sharding.spec == P("expert", "tensor")
+    np.testing.assert_allclose(np.asarray(other.forward(tokens)), np.asarray(single.forward(tokens)),
+                               atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("layout", ["tp8", "tp4ep2"])
 def test_drafter_fc_split_over_tensor(ref, layout):
     # on_mesh splits fc's input over "tensor" and the context projection is one psum: rows equal the

@@ -50,7 +50,7 @@ class Kimi(nn.Module):
     attn_impl: str = "xla"
     moe_impl: str = "xla"
     expert_fn: Any = None  # routed-expert override, e.g. expert-parallel dispatch from sharding/moe_ep.py
-    expert_layout: str = "checkpoint"  # INT4 routed experts: "checkpoint" or "kernel" (see models/moe.py)
+    expert_layout: str = "checkpoint"  # INT4 routed experts: "checkpoint", "kernel" or "mgpu" (see models/moe.py)
 
     @property
     def dtype(self):

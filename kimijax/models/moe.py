@@ -46,9 +46,9 @@ class MoE(nn.Module):
     dtype: jnp.dtype
     moe_impl: str = "xla"
     expert_fn: Any = None  # optional override (e.g. sharding.moe_ep): fn(x_TD, ids_Tk, w_Tk, experts, impl) -> y_TD
-    # INT4 experts as stored: "checkpoint" (compressed-tensors, kimijax/quant.py) or "kernel" (the Pallas
-    # kernel's tiled planar words + transposed, paired scale words, pallas_kernels/moe_int4.py; made once by
-    # KimiTarget)
+    # INT4 experts as stored: "checkpoint" (compressed-tensors, kimijax/quant.py), "kernel" (the Triton
+    # kernel's tiled planar words + transposed, paired scale words, pallas_kernels/moe_int4.py) or "mgpu" (the
+    # Mosaic GPU kernel's thread words, pallas_kernels/moe_int4_mgpu.py); made once by KimiTarget
     expert_layout: str = "checkpoint"
 
     @nn.compact
@@ -66,6 +66,13 @@ class MoE(nn.Module):
                 "up_scale_t": param(self, "up_scale_t", (E, D // (2 * G), F), ("expert", "embed_groups", "expert_mlp"), jnp.int32, init="int4_scale_pairs", fan_in=D),
                 "down_planar": param(self, "down_planar", (E, D * F // 128, 16), ("expert", "expert_mlp_packed", "embed"), jnp.int32, init="bits"),
                 "down_scale_t": param(self, "down_scale_t", (E, F // (2 * G), D), ("expert", "expert_mlp_groups", "embed"), jnp.int32, init="int4_scale_pairs", fan_in=F),
+            }
+        elif c.experts_int4 and self.expert_layout == "mgpu":
+            experts = {  # thread words and their bf16 scales (pallas_kernels/moe_int4_mgpu.py)
+                "gu_q": param(self, "gu_q", (E, F // 64, D // 32, 2, 256), ("expert", "expert_mlp", "embed_groups", "tile", "tile"), jnp.int32, init="bits"),
+                "gu_s": param(self, "gu_s", (E, F // 64, D // 32, 128), ("expert", "expert_mlp", "embed_groups", "tile"), jnp.bfloat16, init="int4_scale", fan_in=D),
+                "dn_q": param(self, "dn_q", (E, D // 64, F // 32, 256), ("expert", "embed", "expert_mlp_groups", "tile"), jnp.int32, init="bits"),
+                "dn_s": param(self, "dn_s", (E, D // 64, F // 32, 64), ("expert", "embed", "expert_mlp_groups", "tile"), jnp.bfloat16, init="int4_scale", fan_in=F),
             }
         elif c.experts_int4:
             G = c.quant_group_size
