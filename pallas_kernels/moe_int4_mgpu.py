@@ -358,7 +358,9 @@ def _gate_up(slot_e, xg, gu_q, gu_s, *, cfg: Config, interpret):
     return kern(slot_e, xg, gu_q, gu_s)
 
 
-def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret):
+def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret, zero_inactive: bool = False):
+    """zero_inactive: programs of inactive pairs (slot_e -1) write zeros, so the combine reads y as it is
+    (one XLA select fewer); otherwise their rows are left unwritten."""
     P = slot_e.shape[0]
     ND, Gf = dn_q.shape[1:3]
     GS = _fit(Gf, cfg.groups_per_step)
@@ -370,6 +372,16 @@ def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret):
     def body(e_ref, h_ref, q_ref, s_ref, y_ref):
         u, d = lax.axis_index("u"), lax.axis_index("d")
         e = e_ref[u]
+
+        def store(ys):
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((DT, BM, NB), jnp.float32))
+            def _(o_smem):
+                for i in range(DT):
+                    o_smem[i] = ys[i]
+                plgpu.commit_smem()
+                for i in range(DT):
+                    plgpu.copy_smem_to_gmem(o_smem.at[i], y_ref.at[u, pl.ds((d * DT + i) * BM, BM)])
+                plgpu.wait_smem_to_gmem(0)
 
         @pl.when(e >= 0)
         def _():
@@ -389,16 +401,12 @@ def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret):
 
                 return pl.run_scoped(acc_scope, *[plgpu.ACC((BM, NB)) for _ in range(DT)])
 
-            ys = _with_scratch(interpret, DT, run)
+            store(_with_scratch(interpret, DT, run))
 
-            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((DT, BM, NB), jnp.float32))
-            def _(o_smem):
-                for i in range(DT):
-                    o_smem[i] = ys[i]
-                plgpu.commit_smem()
-                for i in range(DT):
-                    plgpu.copy_smem_to_gmem(o_smem.at[i], y_ref.at[u, pl.ds((d * DT + i) * BM, BM)])
-                plgpu.wait_smem_to_gmem(0)
+        if zero_inactive:
+            @pl.when(e < 0)
+            def _():
+                store([jnp.zeros((BM, NB), jnp.float32)] * DT)
 
     kern = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((P, ND * BM, NB), jnp.float32), grid=(P, ND // DT),
                         grid_names=("u", "d"), compiler_params=_params(), interpret=_interp(interpret))
@@ -418,8 +426,10 @@ def routing(ids_TK, w_TK):
     dup = jnp.any((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None]), axis=1)
     slot_e = jnp.where(dup, -1, flat)
     hit = ids_TK.astype(jnp.int32)[None, :, :] == flat[:, None, None]  # [P, T, K]
-    wt = jnp.sum(jnp.where(hit, w_TK.astype(jnp.float32)[None], 0.0), axis=2)  # [P, T]
-    wt = jnp.where(dup[:, None], 0.0, wt)  # (moe_mgpu also masks these pairs' outputs: they are never written)
+    w = jnp.where(hit, w_TK.astype(jnp.float32)[None], 0.0)
+    # the K-term sum as adds: elementwise, so it fuses into the combine (a reduce is a launch of its own)
+    wt = functools.reduce(jnp.add, [w[:, :, k] for k in range(K)])  # [P, T]
+    wt = jnp.where(dup[:, None], 0.0, wt)
     return slot_e, jnp.pad(wt, ((0, 0), (0, NB - T)))
 
 
@@ -466,10 +476,11 @@ def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), inter
         slot_e, tok, at_TK = routing_sorted(ids_TK, experts["gu_q"].shape[0])
         x_pad = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])  # row T: empty columns
         xg = jnp.transpose(x_pad[tok], (0, 2, 1)).reshape(-1, D // GROUP, GROUP, NB)
+    dense = T <= MAX_DENSE_TOKENS
     h = _gate_up(slot_e, xg, experts["gu_q"], experts["gu_s"], cfg=cfg, interpret=interpret)
-    y_PDN = _down(slot_e, h, experts["dn_q"], experts["dn_s"], cfg=cfg, interpret=interpret)
-    if T <= MAX_DENSE_TOKENS:
-        y_PDN = jnp.where((slot_e >= 0)[:, None, None], y_PDN, 0.0)  # inactive programs wrote nothing
+    # dense: every pair's rows are summed, so inactive pairs write zeros (0 * garbage could be NaN)
+    y_PDN = _down(slot_e, h, experts["dn_q"], experts["dn_s"], cfg=cfg, interpret=interpret, zero_inactive=dense)
+    if dense:
         y_TD = jnp.einsum("pdn,pn->nd", y_PDN, wt)[:T]
     else:
         # Each token's K partial rows (active slots only), gathered and weighted in k order: deterministic,

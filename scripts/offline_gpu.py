@@ -243,15 +243,16 @@ def _attn(T: int, L: int, impl: str):
     return _kimi_block(MLA(cfg, jnp.bfloat16, impl), T, L)
 
 
-def _layer(T: int, L: int, impl: str):
-    """One full-width Kimi K2.6 MoE decoder layer (norms, absorbed MLA, router, INT4 experts in the kernel
-    layout through the Triton kernel, shared expert)."""
+def _layer(T: int, L: int, impl: str, moe_impl: str = "pallas"):
+    """One full-width Kimi K2.6 MoE decoder layer (norms, absorbed MLA, router, INT4 experts in the layout of
+    the MoE kernel that runs: "pallas" the Triton kernel, "mgpu" the Mosaic GPU one; shared expert)."""
     import jax.numpy as jnp
 
     from kimijax.config import KIMI_K26 as cfg
     from kimijax.models.kimi import DecoderLayer
+    from kimijax.target import LAYOUT_OF_IMPL
 
-    return _kimi_block(DecoderLayer(cfg, True, jnp.bfloat16, impl, "pallas", None, "kernel"), T, L)
+    return _kimi_block(DecoderLayer(cfg, True, jnp.bfloat16, impl, moe_impl, None, LAYOUT_OF_IMPL[moe_impl]), T, L)
 
 
 def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",
@@ -308,6 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("--words", action="store_true", help="moe mgpu: experts in the thread-words layout")
     ap.add_argument("--backend", default="mgpu", choices=["mgpu", "triton"])
     ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--moe-impl", default="pallas", choices=["pallas", "mgpu"], help="layer: the MoE kernel")
     args = ap.parse_args(argv)
     if args.cmd == "sass":
         from pallas_kernels.moe_int4_mgpu import Config
@@ -323,7 +325,7 @@ def main(argv=None) -> int:
     elif args.what == "attn":
         c = _attn(args.tokens, args.context, args.impl)
     elif args.what == "layer":
-        c = _layer(args.tokens, args.context, args.impl)
+        c = _layer(args.tokens, args.context, args.impl, args.moe_impl)
     else:
         name, _, b = args.method.partition(":")
         c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl,
