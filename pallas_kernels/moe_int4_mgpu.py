@@ -35,8 +35,9 @@ instructions per gate/up pipeline step (offline SASS), which is what limits this
 
 Measured (BENCHMARKS.md "INT4 MoE as Mosaic GPU kernels", NVIDIA H100, kernel time): with thread words
 T=1 95.0 us vs the Triton kernel's 107.3, T=4 313.5 vs 338.8, T=9 628.4 vs 654.6, T=16 1006.5 vs 1103.7;
-with int4 tiles 1.5-1.7x slower than Triton. The 17..256-token path is not timed yet. Not wired into the
-model: passes of more than 256 tokens (prefill chunks) have no path here, and the model keeps one expert layout.
+with int4 tiles 1.5-1.7x slower than Triton. The 17..256-token path is not timed yet. In the model it is
+opt-in (`moe_impl="mgpu"`, the experts in the thread-words layout; `moe_int4.moe_mgpu_chunks` runs passes of
+more than 256 tokens, prefill, as chunks).
 
 Interpret mode (CPU tests): Mosaic GPU's interpreter only takes wgmma operands from shared memory, so
 there the dequantised tile goes through a shared-memory scratch (thread words are decoded with jnp); on
