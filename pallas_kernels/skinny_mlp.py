@@ -3,7 +3,7 @@
 y = (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T for x [M, D] with M <= 256 (SmolLM2: D = 576, F = 1536);
 more than 64 rows (a verify at concurrency 8-32) run as row blocks of 64, each reading the weights again.
 
-Why a kernel (an experiment, opt-in: LlamaTarget(mlp_impl=, proj_impl=)): at one request a SmolLM2 round is launch-bound and
+Why a kernel (an experiment, opt-in: LlamaTarget(mlp_impl=...)): at one request a SmolLM2 round is launch-bound and
 its 17-token verify costs about two AR steps (2.2-2.5 ms against 1.1 ms on an H100, BENCHMARKS.md 2026-12-07).
 XLA runs this MLP as gate GEMM, up GEMM, silu*mul fusion and down GEMM; at 17 rows the f32 GEMMs are cuBLAS
 SIMT kernels with 32x32 tiles, ~48 CTAs for 132 SMs, 5-6 us each against 2-4 us for the one-row GEMVs. Here:
