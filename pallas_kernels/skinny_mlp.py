@@ -16,6 +16,10 @@ SIMT kernels with 32x32 tiles, ~48 CTAs for 132 SMs, 5-6 us each against 2-4 us 
            `linear_pallas` is this kernel alone, for any projection of a few rows (the Llama target's q/k/v/o
            with `proj_impl`).
 
+Measured (NVIDIA H100, 2026-12-08, `python3 -m pallas_kernels.skinny_mlp`; BENCHMARKS.md "Eighth session"):
+every variant is 1.7-3.6x slower than XLA's MLP at 1, 9, 17 and 32 rows (e.g. 17 rows: XLA 34.5 us per call,
+the best kernel 60.1 us, TF32x3). So the models keep XLA; the kernels stay as an opt-in record of the attempt.
+
 Every output row depends on its own input row only, with a fixed order of additions, so one row gives the same
 bits whether it runs alone (an AR step) or among 17 (a verify) - unlike cuBLAS, whose kernel choice depends on M.
 Dots are IEEE f32 for f32 operands (precision HIGHEST, as the reference); "interpret" runs the same kernels on
