@@ -1,6 +1,6 @@
 """INT4 compressed-tensors "pack-quantized" layout (routed experts of K2-Thinking, K2.5, K2.6).
 
-Checkpoint layout (what the files hold; the XLA reference reads it, and every other layout):
+Checkpoint layout (what the files hold; the XLA reference reads it and the two kernel layouts below):
   weight_packed  int32 [out, in/8]   element c of a row lives in word c // 8, bits 4*(c % 8) .. +3
                                      (element 0 in the least significant nibble), stored as q + 8.
   weight_scale   bf16  [out, in/32]  one symmetric scale per 32 consecutive inputs.
