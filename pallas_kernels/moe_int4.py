@@ -18,8 +18,9 @@ T=1 on the H200, with the previous kernel), so `KimiTarget` stores the kernel la
 plane by its row's scale (bf16(q * s), the reference's rounding) and accumulates plane x the matching 32
 activations into one f32 tile (one accumulating MMA per plane).
 
-Implementations (`moe(..., impl=...)`): "xla" (`moe_ref`), "pallas" (Triton-lowered Pallas kernels, GPU),
-"interpret" (the same kernels with interpret=True, for CPU tests).  `default_impl()`: "pallas" on GPU.
+Implementations (`moe(..., impl=...)`): "xla" (`moe_ref`), "pallas" / "interpret" (these Triton-lowered
+kernels on the GPU / on the CPU for tests), "mgpu" / "mgpu_interpret" (the Mosaic GPU kernels of
+moe_int4_mgpu.py, opt-in, experts in their own layout).  `default_impl()`: "pallas" on GPU.
 
 Kernel design (two pallas_calls + a few tiny XLA ops):
   1. gate/up: grid (U work slots, F / block_f).  A slot is one used expert; its program streams the
@@ -43,7 +44,7 @@ Kernel design (two pallas_calls + a few tiny XLA ops):
 Shape limits of the kernel: INT4 and bf16 need D and F divisible by 128, and block_f / block_d must divide
 F / D (defaults 64 / 128, halved until they divide).  Other shapes fall back to `moe_ref` (explicitly, in
 `moe`).  Backend: the Triton lowering of Pallas (`pl.pallas_call` + `pltriton.CompilerParams`): it runs
-under interpret=True on CPU for the tests; Mosaic GPU was not tried (no device time for a second backend).
+under interpret=True on CPU for the tests; the Mosaic GPU backend is moe_int4_mgpu.py (measured since).
 Measured on an H200 (BENCHMARKS.md, "Kernels", kernel time from the profiler, read roof 3.63 TB/s in that
 run): INT4 streams 1.87 TB/s at T = 1 and 2.4-2.5 TB/s from T = 9 up (52 % and 65-68 % of the roof), the bf16
 variant 4.1-4.5 TB/s (the roof is a loose lower bound).  So INT4 is not bandwidth-bound: the unpack + scale ALU
@@ -64,7 +65,7 @@ from jax.experimental.pallas import triton as pltriton  # Triton lowering (depre
 
 from kimijax.quant import dequantize
 from pallas_kernels import moe_int4_mgpu as mg
-from pallas_kernels.moe_layout import SB, TILE_DN, TILE_GU, dequant_expert, relayout_for_kernel
+from pallas_kernels.moe_layout import SB, TILE_DN, TILE_GU, checkpoint_shapes, dequant_expert, relayout_for_kernel
 from pallas_kernels.tree_attention import next_pow2
 
 NB = 16  # token columns per chunk (tensor-core N)
@@ -443,13 +444,6 @@ def kernel_supports(x_TD, experts: dict) -> bool:
     return D % SB == 0 and F % SB == 0
 
 
-def _fit_steps(n_blocks: int, want: int) -> int:
-    sps = max(1, want)
-    while n_blocks % sps:
-        sps -= 1
-    return sps
-
-
 def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None, block_d: int | None = None,
                steps: int | None = None, num_warps: int = 4, num_stages: int = 3, dense_max_tokens: int = NB,
                use_asm: bool = True, min_programs: int = 0, interpret: bool = False):
@@ -481,8 +475,8 @@ def moe_pallas(x_TD, ids_TK, w_TK, experts: dict, *, block_f: int | None = None,
         raise ValueError(f"no block size fits F={F}, D={D}")
     if steps is None:
         steps = 1
-    SPS_gu = _fit_steps(D // SB, steps)
-    SPS_dn = _fit_steps(F // SB, steps)
+    SPS_gu = mg.fit_divisor(D // SB, steps)
+    SPS_dn = mg.fit_divisor(F // SB, steps)
     P = T * K
     dense = T <= min(dense_max_tokens, NB)
     Kp = next_pow2(K)
@@ -552,12 +546,8 @@ IMPLS = ("xla", "pallas", "interpret", "mgpu", "mgpu_interpret")
 
 
 def moe(x_TD, ids_TK, w_TK, experts: dict, *, impl: str = "xla"):
-    """Dispatch point used by the model: impl "xla" (reference), "pallas" (this file's Triton kernels),
-    "mgpu" (the Mosaic GPU kernels of moe_int4_mgpu.py, experts in their layout) or "interpret" /
-    "mgpu_interpret" (the same on the CPU).
-
-    Shapes a kernel does not support (see the module docstrings) run `moe_ref` instead; passes longer than
-    the Mosaic kernels take run through them in equal chunks (`moe_mgpu_chunks`)."""
+    """Dispatch point used by the model (impls: module docstring). Shapes or layouts a kernel does not take
+    run `moe_ref` instead; the Mosaic kernels take any T (`moe_int4_mgpu.moe_mgpu_chunks`)."""
     if impl == "xla":
         return moe_ref(x_TD, ids_TK, w_TK, experts)
     if impl in ("pallas", "interpret"):
@@ -567,27 +557,8 @@ def moe(x_TD, ids_TK, w_TK, experts: dict, *, impl: str = "xla"):
     if impl in ("mgpu", "mgpu_interpret"):
         if "gu_q" not in experts or not mg.supports(x_TD[:1], experts):
             return moe_ref(x_TD, ids_TK, w_TK, experts)
-        return moe_mgpu_chunks(x_TD, ids_TK, w_TK, experts, interpret=impl == "mgpu_interpret")
+        return mg.moe_mgpu_chunks(x_TD, ids_TK, w_TK, experts, interpret=impl == "mgpu_interpret")
     raise ValueError(f"unknown MoE impl {impl!r}: choose one of {', '.join(IMPLS)}")
-
-
-def moe_mgpu_chunks(x_TD, ids_TK, w_TK, experts: dict, *, interpret: bool = False):
-    """The Mosaic GPU MoE (thread words, two down tiles per program: the fastest measured) over any number of
-    tokens: up to mg.MAX_TOKENS in one call, more (prefill) as equal chunks of at most that many, each reading
-    its experts again (a prefill cost the Triton kernel does not pay; decode and verify passes are one chunk).
-    Padding rows route to expert ids[0] with weight 0 and are dropped."""
-    T, D = x_TD.shape
-    cfg = mg.Config(down_tiles=2)
-    if T <= mg.MAX_TOKENS:
-        return mg.moe_mgpu(x_TD, ids_TK, w_TK, experts, cfg=cfg, interpret=interpret)
-    n = -(-T // mg.MAX_TOKENS)
-    c = -(-T // n)
-    pad = n * c - T
-    x = jnp.pad(x_TD, ((0, pad), (0, 0))).reshape(n, c, D)
-    ids = jnp.concatenate([ids_TK, jnp.broadcast_to(ids_TK[:1], (pad, ids_TK.shape[1]))]).reshape(n, c, -1)
-    w = jnp.pad(w_TK, ((0, pad), (0, 0))).reshape(n, c, -1)
-    y = lax.map(lambda a: mg.moe_mgpu(*a, experts, cfg=cfg, interpret=interpret), (x, ids, w))
-    return y.reshape(n * c, D)[:T]
 
 
 def _main():  # pragma: no cover - manual check / timing of one case
@@ -596,11 +567,9 @@ def _main():  # pragma: no cover - manual check / timing of one case
     on_gpu = jax.default_backend() == "gpu"
     E, F, D, K, T = (384, 2048, 7168, 8, 9) if on_gpu else (8, 256, 512, 2, 5)
     ks = jax.random.split(jax.random.key(int(time.time())), 9)
-    bits = lambda k, s: lax.bitcast_convert_type(jax.random.bits(k, s, jnp.uint32), jnp.int32)
-    scl = lambda k, s: jax.random.uniform(k, s, jnp.float32, 0.004, 0.02).astype(jnp.bfloat16)
-    ckpt = {"gate_packed": bits(ks[0], (E, F, D // 8)), "gate_scale": scl(ks[1], (E, F, D // 32)),
-            "up_packed": bits(ks[2], (E, F, D // 8)), "up_scale": scl(ks[3], (E, F, D // 32)),
-            "down_packed": bits(ks[4], (E, D, F // 8)), "down_scale": scl(ks[5], (E, D, F // 32))}
+    rand = lambda k, s: (lax.bitcast_convert_type(jax.random.bits(k, s.shape, jnp.uint32), jnp.int32)  # any word
+                         if s.dtype == jnp.int32 else jax.random.uniform(k, s.shape, jnp.float32, 0.004, 0.02))
+    ckpt = {n: rand(k, s).astype(s.dtype) for k, (n, s) in zip(ks, checkpoint_shapes(E, D, F).items())}
     kern = jax.jit(relayout_for_kernel)(ckpt)
     x = jax.random.normal(ks[6], (T, D), jnp.bfloat16)
     _, ids = lax.top_k(jax.random.uniform(ks[7], (T, E)), K)

@@ -36,7 +36,7 @@ instructions per gate/up pipeline step (offline SASS), which is what limits this
 Measured (BENCHMARKS.md "INT4 MoE as Mosaic GPU kernels", NVIDIA H100, kernel time): with thread words
 T=1 95.0 us vs the Triton kernel's 107.3, T=4 313.5 vs 338.8, T=9 628.4 vs 654.6, T=16 1006.5 vs 1103.7;
 with int4 tiles 1.5-1.7x slower than Triton. The 17..256-token path is not timed yet. In the model it is
-opt-in (`moe_impl="mgpu"`, the experts in the thread-words layout; `moe_int4.moe_mgpu_chunks` runs passes of
+opt-in (`moe_impl="mgpu"`, the experts in the thread-words layout; `moe_mgpu_chunks` below runs passes of
 more than 256 tokens, prefill, as chunks).
 
 Interpret mode (CPU tests): Mosaic GPU's interpreter only takes wgmma operands from shared memory, so
@@ -222,7 +222,8 @@ def supports(x_TD, experts: dict) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fit(n: int, want: int) -> int:
+def fit_divisor(n: int, want: int) -> int:
+    """The largest divisor of n that is <= want (at least 1)."""
     g = max(1, min(want, n))
     while n % g:
         g -= 1
@@ -316,7 +317,7 @@ def _with_scratch(interpret, n, fn):
 def _gate_up(slot_e, xg, gu_q, gu_s, *, cfg: Config, interpret):
     P = slot_e.shape[0]
     NF, G = gu_q.shape[1:3]
-    GS = _fit(G, cfg.groups_per_step)
+    GS = fit_divisor(G, cfg.groups_per_step)
     words = gu_q.dtype == jnp.int32
     q_block = (GS, 2, 256) if words else (GS, 2 * BM, GROUP)
     per_slot_x = xg.ndim == 4  # [slots, D/32, 32, NB]: each slot's own tokens; else one [D/32, 32, NB] for all
@@ -364,7 +365,7 @@ def _down(slot_e, h, dn_q, dn_s, *, cfg: Config, interpret, zero_inactive: bool 
     (one XLA select fewer); otherwise their rows are left unwritten."""
     P = slot_e.shape[0]
     ND, Gf = dn_q.shape[1:3]
-    GS = _fit(Gf, cfg.groups_per_step)
+    GS = fit_divisor(Gf, cfg.groups_per_step)
     words = dn_q.dtype == jnp.int32
     q_block, q_map = ((GS, 256), lambda s: (s, 0)) if words else ((GS, BM, GROUP), lambda s: (s, 0, 0))
     DT = cfg.down_tiles if ND % cfg.down_tiles == 0 else 1
@@ -491,3 +492,22 @@ def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), inter
         w = w_TK.astype(jnp.float32)
         y_TD = functools.reduce(jnp.add, [w[:, k, None] * y_TKD[:, k] for k in range(ids_TK.shape[1])])
     return y_TD.astype(x_TD.dtype)
+
+
+def moe_mgpu_chunks(x_TD, ids_TK, w_TK, experts: dict, *, interpret: bool = False):
+    """The Mosaic GPU MoE (thread words, two down tiles per program: the fastest measured) over any number of
+    tokens: up to MAX_TOKENS in one call, more (prefill) as equal chunks of at most that many, each reading
+    its experts again (a prefill cost the Triton kernel does not pay; decode and verify passes are one chunk).
+    Padding rows route to expert ids[0] with weight 0 and are dropped."""
+    T, D = x_TD.shape
+    cfg = Config(down_tiles=2)
+    if T <= MAX_TOKENS:
+        return moe_mgpu(x_TD, ids_TK, w_TK, experts, cfg=cfg, interpret=interpret)
+    n = -(-T // MAX_TOKENS)
+    c = -(-T // n)
+    pad = n * c - T
+    x = jnp.pad(x_TD, ((0, pad), (0, 0))).reshape(n, c, D)
+    ids = jnp.concatenate([ids_TK, jnp.broadcast_to(ids_TK[:1], (pad, ids_TK.shape[1]))]).reshape(n, c, -1)
+    w = jnp.pad(w_TK, ((0, pad), (0, 0))).reshape(n, c, -1)
+    y = lax.map(lambda a: moe_mgpu(*a, experts, cfg=cfg, interpret=interpret), (x, ids, w))
+    return y.reshape(n * c, D)[:T]
