@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_inputs import fresh_seed as _seed
+from kernel_inputs import check_target_layout, fresh_seed as _seed
 from kimijax.quant import quantize_int4_np
 from pallas_kernels import moe_int4 as mi
 from pallas_kernels import moe_layout as ml
@@ -213,7 +213,7 @@ def _kernel_cfg():
 
 def test_target_converts_experts_once_and_computes_the_same(tmp_path):
     from kimijax.loading import load_target, save_hf_checkpoint
-    from kimijax.target import KimiTarget, convert_expert_layout, params_expert_layout, random_kimi_params
+    from kimijax.target import KimiTarget, params_expert_layout, random_kimi_params
 
     cfg = _kernel_cfg()
     p = random_kimi_params(cfg, seed=_seed() % 2**31)
@@ -227,15 +227,8 @@ def test_target_converts_experts_once_and_computes_the_same(tmp_path):
     assert mlp["gate_scale_t"].dtype == jnp.int32  # paired bf16 scale words
     assert kern.params["layers_0"] is p["layers_0"]  # non-expert leaves are shared, not copied
     assert "gate_packed" in p["layers_1"]["mlp"]  # the caller's params are not consumed
-    # the reference reads both layouts bit for bit; the kernel matches it within bf16 rounding
-    ref_kern = KimiTarget(cfg, p, moe_impl="xla", expert_layout="kernel")
-    toks = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 7))
-    l_ckpt = np.asarray(ckpt.forward(toks))
-    np.testing.assert_array_equal(np.asarray(ref_kern.forward(toks)), l_ckpt)
-    np.testing.assert_allclose(np.asarray(kern.forward(toks)), l_ckpt, atol=5e-2, rtol=5e-2)
-    back = convert_expert_layout(kern.params, "checkpoint")
-    for k in ("gate_packed", "gate_scale", "up_packed", "up_scale", "down_packed", "down_scale"):
-        np.testing.assert_array_equal(np.asarray(back["layers_1"]["mlp"][k]), np.asarray(p["layers_1"]["mlp"][k]))
+    # the reference reads both layouts bit for bit; the kernel matches it within bf16 rounding; back bit for bit
+    check_target_layout(cfg, p, kern, "kernel")
     # savers write the checkpoint layout whatever the target holds; loading for the kernel converts again
     save_hf_checkpoint(cfg, kern.params, tmp_path / "ck")
     again = load_target(tmp_path / "ck", moe_impl="interpret", attn_impl="xla", progress=False, dtype="float32")
