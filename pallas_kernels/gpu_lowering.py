@@ -1,6 +1,6 @@
 """Lower Pallas Triton kernels for a pretend H200 on any host (no GPU needed): the Triton IR text of every
 pallas_call a function traces. Tests use it to check that the GPU lowering (which interpret mode never runs)
-accepts a kernel; scripts/moe_sass.py compiles the IR further with pip Triton."""
+accepts a kernel; scripts/triton_sass.py compiles the IR further with pip Triton."""
 
 from __future__ import annotations
 

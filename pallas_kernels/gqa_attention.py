@@ -147,7 +147,7 @@ def gqa_tree_attention_pallas(q_BkMe, cache_BL2ke, lengths_B, tree_mask_BTT, sca
     """Pallas GQA tree attention (module docstring); same contract as `gqa_tree_attention_ref`.
     Splits along L: num_splits, else `default_splits` (at least keys_per_split keys each, about
     target_programs programs in all). Default blocks: f32 16 query rows x 64 keys
-    (IEEE f32 dots run on the FMA units; at 32+ rows Triton spills or needs 255 registers, scripts/moe_sass.py
+    (IEEE f32 dots run on the FMA units; at 32+ rows Triton spills or needs 255 registers, scripts/triton_sass.py
     style check), 16-bit up to 64 rows x 32 keys (tensor cores)."""
     B, KV, M, E = q_BkMe.shape
     T = tree_mask_BTT.shape[-1]

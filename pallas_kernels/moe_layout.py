@@ -16,7 +16,7 @@ Scales: transposed and paired: word (j, r) holds the bf16 scales of groups 2j (l
 (high) of row r, so a plane pair's scales for a tile of rows are one contiguous load of 32-bit words.  Why
 32-bit: Triton's software pipeliner only turns loads of >= 4 bytes per thread into asynchronous copies
 (cp.async); as [rows] bf16 vectors the scale loads stayed synchronous and every loop iteration waited on a
-global-memory round trip (offline SASS, scripts/moe_sass.py: 16 LDG.U16 per iteration; paired words: all
+global-memory round trip (offline SASS, scripts/triton_sass.py moe: 16 LDG.U16 per iteration; paired words: all
 loads LDGSTS), 1.3-1.55x slower (BENCHMARKS.md).  Byte counts equal the checkpoint's.  The layout needs D
 and F (per tensor-parallel shard) divisible by 128.
 """

@@ -16,6 +16,8 @@ MLA: the B*L*576*2 cache bytes); compute floor (MLA) = 2*B*T*H*L*(576+512) / mea
 Writes $OUT/bench_kernels.json (updated after every case) and prints a table last.
 
   python scripts/bench_kernels.py [--budget SECONDS] [--no-sweep]
+  python scripts/bench_kernels.py --moe-ab default,mgpu_words_d2 --moe-tokens 1,9,17,33,65,129
+  python scripts/bench_kernels.py --attn-ab default,xla,m32w8,m16 --attn-heads 8    # TP-8's heads per device
 """
 
 from __future__ import annotations
@@ -251,6 +253,42 @@ ATT_CONFIGS = {  # the kernel's defaults; earlier sweeps (BENCHMARKS.md) measure
 }
 
 
+# --attn-ab: kernel configurations (and "xla", the reference) against each other at --attn-cases, with --attn-heads
+# query heads per device: 64 on one GPU or under expert parallelism, 8 under tensor parallelism over 8 GPUs, where
+# T=9 gives 72 query rows per request, ~136 FLOP per cache byte, below the ridge (memory-bound; 64 heads: ~1088).
+# Offline (scripts/triton_sass.py mla --heads 8, sm_90): the default 64-row blocks spill (255 registers + 424 B of
+# stack) and pad 72 rows to 128; 32-row blocks at 8 warps need 177 registers, 16-row blocks 128 (both mma.sync).
+ATT_AB_CONFIGS = {"default": dict(), "xla": "xla",
+                  "m32w8": dict(block_m=32, num_warps=8), "m32w4": dict(block_m=32, num_warps=4),
+                  "m16": dict(block_m=16), "m16k64": dict(block_m=16, block_k=64),
+                  "m16_split64": dict(block_m=16, min_split=64), "vs2": dict(value_splits=2)}
+ATT_AB_CASES = "1:4096:9,1:32768:9,1:32768:33,1:131072:17,32:4096:9,128:2048:9,1:4096:1,32:4096:1"
+
+
+def attn_ab(roof, peak, names, cases, heads):
+    """Attention configurations against each other, interleaved per shape (same inputs, same run)."""
+    ab = RES.setdefault("attn_ab", {})
+    for (B, L, T) in cases:
+        for n in names:
+            guarded(f"{n}|H{heads}_B{B}_L{L}_T{T}", lambda: att_case(
+                f"attn {n} H={heads} B={B} L={L} T={T}", B, L, T, roof, peak, ATT_AB_CONFIGS[n], reps=5,
+                time_ref=False, heads=heads), ab)
+    RES["total_s"] = elapsed()
+    save()
+    print(f"\nMLA tree attention A/B, H={heads} heads per device, read roof {roof / 1e12:.2f} TB/s, matmul "
+          f"{peak / 1e12:.0f} TFLOP/s: kernel time per call (profiler), % of the HBM floor; compute floor")
+    print("| B | L | T | HBM floor us | compute floor us | " + " | ".join(names) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(names))
+    for (B, L, T) in cases:
+        recs = [ab.get(f"{n}|H{heads}_B{B}_L{L}_T{T}", {}) for n in names]
+        cells = [f"{r['kernel_dev_us']:.1f} us ({r['pct_of_floor_dev']:.1f} %)" + ("" if r.get("ok", True) else " WRONG")
+                 if "kernel_dev_us" in r else (f"{r['kernel_us']:.1f} us wall" if "kernel_us" in r else "error")
+                 for r in recs]
+        r0 = next((r for r in recs if "floor_us" in r), {})
+        print(f"| {B} | {L} | {T} | {r0.get('floor_us', float('nan')):.1f} | "
+              f"{r0.get('compute_floor_us', float('nan')):.1f} | " + " | ".join(cells) + " |")
+
+
 # --attn-crossover: kernel variants vs the XLA reference over decode/verify shapes (B, L, T), to choose per shape
 CROSS_CASES = [(1, 4096, 1), (1, 4096, 9), (1, 32768, 9), (8, 4096, 9), (32, 4096, 9), (128, 2048, 9),
                (1, 32768, 1), (1, 4096, 17), (32, 4096, 1), (128, 4096, 1)]  # Engine-like shapes first
@@ -281,9 +319,9 @@ def random_trees(B, T, rng):
     return jnp.asarray(out)
 
 
-def att_inputs(B, L, T, R, seed):
+def att_inputs(B, L, T, R, seed, heads=H):
     rng = np.random.default_rng(seed)
-    q = jax.random.normal(jax.random.key(seed), (B, T, H, C), jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(seed), (B, T, heads, C), jnp.bfloat16)
     lengths = jnp.full((B,), L - T, jnp.int32)
     tree = random_trees(B, T, rng)
     sets = []
@@ -293,16 +331,21 @@ def att_inputs(B, L, T, R, seed):
     return sets
 
 
-def att_case(name, B, L, T, roof, peak, cfg, *, reps=10, time_ref=True, check=True, seed=0):
+def att_case(name, B, L, T, roof, peak, cfg, *, reps=10, time_ref=True, check=True, seed=0, heads=H):
+    """One attention shape: the kernel with options `cfg` (cfg "xla": the XLA reference as the timed call)."""
     cache_bytes = B * L * C * 2
     R = int(min(16, max(2, math.ceil(240e6 / cache_bytes))))
-    rec = {"B": B, "L": L, "T": T, "cfg": cfg, "R": R, "bytes": cache_bytes}
+    rec = {"B": B, "L": L, "T": T, "H": heads, "cfg": cfg, "R": R, "bytes": cache_bytes}
     rec["floor_us"] = cache_bytes / roof * 1e6
-    flops = 2 * B * T * H * L * (C + KR)
+    flops = 2 * B * T * heads * L * (C + KR)
     rec["flops"] = flops
     rec["compute_floor_us"] = flops / peak * 1e6
-    sets = att_inputs(B, L, T, R, seed + B + L + T)
-    kern = functools.partial(ta.tree_attention_pallas, scale=SCALE, kv_rank=KR, interpret=INTERPRET, **cfg)
+    sets = att_inputs(B, L, T, R, seed + B + L + T, heads)
+    if cfg == "xla":
+        kern = functools.partial(ta.tree_attention_ref, scale=SCALE, kv_rank=KR)
+        check = time_ref = False
+    else:
+        kern = functools.partial(ta.tree_attention_pallas, scale=SCALE, kv_rank=KR, interpret=INTERPRET, **cfg)
     if check:
         o, lse = jax.jit(kern)(*sets[0])
         o_r, lse_r = jax.jit(functools.partial(ta.tree_attention_ref, scale=SCALE, kv_rank=KR))(*sets[0])
@@ -362,7 +405,15 @@ def main():
     ap.add_argument("--moe-ab", default=None, help="CONFIG,CONFIG,...: only time these MOE_AB_CONFIGS against each other "
                                                    "at --moe-tokens (kernel time), print a table, stop")
     ap.add_argument("--moe-tokens", default="1,9,17,33")
+    ap.add_argument("--attn-ab", default=None, help="CONFIG,CONFIG,...: only time these ATT_AB_CONFIGS (\"xla\": the "
+                                                    "reference) against each other at --attn-cases, print a table, stop")
+    ap.add_argument("--attn-heads", type=int, default=H, help="query heads per device for --attn-ab (TP-8: 8)")
+    ap.add_argument("--attn-cases", default=ATT_AB_CASES, help="B:L:T,... for --attn-ab")
     args = ap.parse_args()
+    if args.attn_ab:
+        unknown = sorted(set(args.attn_ab.split(",")) - set(ATT_AB_CONFIGS))
+        if unknown:
+            ap.error(f"--attn-ab: unknown configurations {unknown}; choose from {sorted(ATT_AB_CONFIGS)}")
     dev = jax.devices()[0]
     RES.update(date=time.strftime("%Y-%m-%d %H:%M:%S"), device=dev.device_kind, platform=dev.platform,
                jax=jax.__version__, argv=sys.argv)
@@ -370,6 +421,10 @@ def main():
     roof, peak = measure_roofs()
     if args.moe_ab:
         moe_ab(roof, args.moe_ab.split(","), [int(t) for t in args.moe_tokens.split(",")])
+        return
+    if args.attn_ab:
+        cases = [tuple(int(v) for v in c.split(":")) for c in args.attn_cases.split(",")]
+        attn_ab(roof, peak, args.attn_ab.split(","), cases, args.attn_heads)
         return
     if args.only == "attn-crossover":
         attn_crossover(roof, peak, args.budget)

@@ -170,3 +170,20 @@ def test_combine_splits_forms_agree():
     np.testing.assert_allclose(np.asarray(o2), np.asarray(o1), rtol=1e-6, atol=1e-6, err_msg=f"seed {seed}")
     np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), rtol=1e-6, atol=1e-6, err_msg=f"seed {seed}")
     assert np.all(np.asarray(o1[1, 4]) == 0) and np.isneginf(np.asarray(l1[1, 4]))
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_tp8_heads_in_small_row_blocks(block_m):
+    # 8 heads per device (tensor parallel over 8 GPUs): T*H = 72 rows in blocks of 16 / 32, the last one padded
+    _check(fresh_seed(), 3, 203, 9, 8, block_m=block_m, block_k=32)
+
+
+@pytest.mark.parametrize("heads,kw", [(64, {}), (8, {}), (8, {"block_m": 16}), (8, {"block_m": 32, "num_warps": 8})])
+def test_kernel_lowers_for_the_gpu_at_full_width(heads, kw):
+    # the Triton lowering (never run by interpret mode) at Kimi width: C = 576, 512 latent columns
+    from pallas_kernels.gpu_lowering import triton_ir
+    S = jax.ShapeDtypeStruct
+    fn = functools.partial(ta.tree_attention_pallas, scale=0.07, kv_rank=512, **kw)
+    ir = triton_ir(fn, S((2, 9, heads, 576), jnp.bfloat16), S((2, 4096, 576), jnp.bfloat16), S((2,), jnp.int32),
+                   S((2, 9, 9), jnp.bool_))
+    assert list(ir) == ["tree_attention"] and "tt.dot" in ir["tree_attention"]

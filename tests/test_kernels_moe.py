@@ -137,11 +137,11 @@ def test_kernels_lower_for_the_gpu_at_full_width():
     import importlib.util
     import os
     spec = importlib.util.spec_from_file_location(
-        "moe_sass", os.path.join(os.path.dirname(__file__), "..", "scripts", "moe_sass.py"))
-    moe_sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(moe_sass)
+        "triton_sass", os.path.join(os.path.dirname(__file__), "..", "scripts", "triton_sass.py"))
+    triton_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(triton_sass)
     for T in (1, 17):
-        ir = moe_sass.lower_kernels(T, {})
+        ir = triton_sass.lower_kernels(T, {})
         assert set(ir) == {"moe_gate_up", "moe_down"}
         assert all("tt.dot" in text and "elementwise_inline_asm" in text for text in ir.values())
 
