@@ -262,7 +262,8 @@ ATT_AB_CONFIGS = {"default": dict(), "xla": "xla",
                   "m32w8": dict(block_m=32, num_warps=8), "m32w4": dict(block_m=32, num_warps=4),
                   "m16": dict(block_m=16), "m16k64": dict(block_m=16, block_k=64),
                   "m16_split64": dict(block_m=16, min_split=64), "vs2": dict(value_splits=2)}
-ATT_AB_CASES = "1:4096:9,1:32768:9,1:32768:33,1:131072:17,32:4096:9,128:2048:9,1:4096:1,32:4096:1"
+ATT_AB_CASES = ("1:4096:9,1:32768:9,1:32768:33,1:131072:17,32:4096:9,128:2048:9,1:4096:1,32:4096:1" if not SMALL
+                else "1:300:9,2:200:5")
 
 
 def attn_ab(roof, peak, names, cases, heads):
