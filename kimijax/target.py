@@ -37,8 +37,71 @@ def compact_caches(caches, lengths_B, path_BP, n_B, impl: str = "xla"):
     return move_rows(caches, lengths_B[:, None] + path_BP, lengths_B, n_B, impl)
 
 
+class TargetBase:
+    """What every target shares, around `self.cfg` and `self.module` (a flax model with embed, logits and a
+    __call__(tokens, positions, caches, lengths, tree_mask, <PREFILL_MODE>=..., capture_layers=...)): the facts
+    the engine needs and the pure functions that do not differ between models. A subclass builds self.module and
+    self._forward = jax.jit(self._forward_fn), and writes verify and init_cache."""
+    PREFILL_MODE: dict = {}  # the model's keyword for "a prompt pass from slot 0, not over the cache"
+
+    # ---- facts the engine needs
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.cfg.eos_token_ids)
+
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    # ---- pure functions
+    def _apply(self, params, *args, method=None, **kw):
+        return self.module.apply({"params": params}, *args, method=method, **kw)
+
+    def embed(self, params, tokens):
+        return self._apply(params, tokens, method=type(self.module).embed)
+
+    def head(self, params, h_BTD):
+        return self._apply(params, h_BTD, method=type(self.module).logits)
+
+    def prefill(self, params, caches, tokens_BT, lens_B, capture=()):
+        """Prompt pass writing cache slots 0..T-1. -> (last-token logits [B,V] f32, caches, captured [n,B,T,D])."""
+        B, T = tokens_BT.shape
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h, caches, cap = self._apply(params, tokens_BT, pos_BT, caches, jnp.zeros((B,), jnp.int32),
+                                     None, capture_layers=tuple(capture), **self.PREFILL_MODE)  # None: causal
+        h_last = gather_rows(h, lens_B - 1)[:, None]
+        return self.head(params, h_last)[:, 0], caches, cap
+
+    def _forward_fn(self, params, tokens_BT):
+        B, T = tokens_BT.shape
+        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        h, _, _ = self._apply(params, tokens_BT, pos_BT)
+        return self.head(params, h)
+
+    def forward(self, tokens_BT):
+        """Full-sequence forward without a cache -> f32 logits [B, T, V]."""
+        return self._forward(self.params, jnp.asarray(tokens_BT, jnp.int32))
+
+
 @dataclasses.dataclass
-class KimiTarget:
+class KimiTarget(TargetBase):
+    PREFILL_MODE = {"absorbed": False}  # naive MLA for the prompt; verify runs absorbed MLA over the cache
     cfg: KimiConfig
     params: Any
     attn_impl: str = "xla"
@@ -68,31 +131,6 @@ class KimiTarget:
         self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn, want)
         self._forward = jax.jit(self._forward_fn)
 
-    # ---- facts the engine needs
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_hidden_layers
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return tuple(self.cfg.eos_token_ids)
-
-    @property
-    def max_context(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.cfg.dtype)
-
     def init_cache(self, B: int, L: int):
         if self.mesh is not None:  # batch over "data", replicated over "expert"/"tensor" (sharding/rules.py)
             from sharding.rules import cache_shardings
@@ -119,30 +157,12 @@ class KimiTarget:
         return dataclasses.replace(self, params=params, mesh=mesh, expert_fn=make_expert_fn(mesh, dispatch),
                                    expert_layout=layout_pref)
 
-    # ---- pure functions
-    def _apply(self, params, *args, method=None, **kw):
-        return self.module.apply({"params": params}, *args, method=method, **kw)
-
-    def embed(self, params, tokens):
-        return self._apply(params, tokens, method=Kimi.embed)
-
-    def head(self, params, h_BTD):
-        return self._apply(params, h_BTD, method=Kimi.logits)
-
+    # ---- pure functions (TargetBase: embed, head, prefill, forward)
     def tree_topk(self, logits_BLV, K: int):
         """Per-depth top-K log-probs and token ids of draft logits [B, L, V] (the DDTree input). On a mesh the
         vocab-sharded logits are never gathered: per-shard top-K merged in global ids (sharding/vocab.py)."""
         from sharding.vocab import topk_logprobs
         return topk_logprobs(logits_BLV, K, self.mesh)  # without a mesh: ddtree.topk_logprobs
-
-    def prefill(self, params, caches, tokens_BT, lens_B, capture=()):
-        """Prompt pass (naive MLA) writing cache slots 0..T-1. -> (last-token logits [B,V], caches, captured)."""
-        B, T = tokens_BT.shape
-        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        h, caches, cap = self._apply(params, tokens_BT, pos_BT, caches, jnp.zeros((B,), jnp.int32),
-                                     None, absorbed=False, capture_layers=tuple(capture))  # None: causal
-        h_last = gather_rows(h, lens_B - 1)[:, None]
-        return self.head(params, h_last)[:, 0], caches, cap
 
     def verify(self, params, caches, tokens_BT, positions_BT, lengths_B, tree_mask_BTT, capture=(),
                with_experts: bool = False):
@@ -154,16 +174,6 @@ class KimiTarget:
         if with_experts:
             return logits, caches, cap, expert_ids(state, self.cfg)
         return logits, caches, cap
-
-    def _forward_fn(self, params, tokens_BT):
-        B, T = tokens_BT.shape
-        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        h, _, _ = self._apply(params, tokens_BT, pos_BT)
-        return self.head(params, h)
-
-    def forward(self, tokens_BT):
-        """Full-sequence forward without a cache (naive MLA) -> f32 logits [B, T, V]."""
-        return self._forward(self.params, jnp.asarray(tokens_BT, jnp.int32))
 
 
 def expert_ids(state, cfg: KimiConfig):

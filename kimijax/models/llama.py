@@ -27,7 +27,7 @@ import numpy as np
 from kimijax.config import ConfigError
 from kimijax.models.common import (MLP, RMSNorm, apply_rope_half, causal_rows, causal_tree_mask, in_query_chunks,
                                    param, rope_cos_sin)
-from kimijax.target import gather_rows
+from kimijax.target import TargetBase
 from pallas_kernels import skinny_mlp
 from pallas_kernels.gqa_attention import gqa_tree_attention, kernel_supports
 from pallas_kernels.row_move import write_rows
@@ -270,8 +270,9 @@ class Llama(nn.Module):
 
 
 @dataclasses.dataclass
-class LlamaTarget:
+class LlamaTarget(TargetBase):
     """A Llama-family target with KimiTarget's interface (see kimijax/target.py)."""
+    PREFILL_MODE = {"from_cache": False}
     cfg: LlamaConfig
     params: Any
     tokenizer: Any = None
@@ -301,59 +302,16 @@ class LlamaTarget:
         self.module = Llama(self.cfg, self.attn_impl, self.mlp_impl, self.proj_impl)
         self._forward = jax.jit(self._forward_fn)
 
-    # ---- facts the engine needs
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_hidden_layers
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return tuple(self.cfg.eos_token_ids)
-
-    @property
-    def max_context(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.cfg.dtype)
-
     def init_cache(self, B: int, L: int):
         c = self.cfg
         return [jnp.zeros((B, L, 2, c.num_key_value_heads, c.head_dim), self.dtype) for _ in range(self.num_layers)]
 
-    # ---- pure functions
-    def _apply(self, params, *args, method=None, **kw):
-        return self.module.apply({"params": params}, *args, method=method, **kw)
-
-    def embed(self, params, tokens):
-        return self._apply(params, tokens, method=Llama.embed)
-
-    def head(self, params, h_BTD):
-        return self._apply(params, h_BTD, method=Llama.logits)
-
+    # ---- pure functions (TargetBase: embed, head, prefill, forward)
     def draft_head(self, params, h_BTD):
         """The lm_head for the drafter's logits. Those only rank draft candidates, which the exact target then
         verifies, so they need no true-f32 dot: at C=32 x 15 draft slots x 49k vocab the f32 dot took 0.6 ms of
         a 6.8 ms DDTree round on the H200 (benchmarks/2026-12-04 profile), TF32 tensor cores do it far faster."""
         return self._apply(params, h_BTD, False, method=Llama.logits)
-
-    def prefill(self, params, caches, tokens_BT, lens_B, capture=()):
-        """Prompt pass writing cache slots 0..T-1. -> (last-token logits [B,V] f32, caches, captured [n,B,T,D])."""
-        B, T = tokens_BT.shape
-        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        h, caches, cap = self._apply(params, tokens_BT, pos_BT, caches, jnp.zeros((B,), jnp.int32),
-                                     None, from_cache=False, capture_layers=tuple(capture))  # None: causal
-        h_last = gather_rows(h, lens_B - 1)[:, None]
-        return self.head(params, h_last)[:, 0], caches, cap
 
     def verify(self, params, caches, tokens_BT, positions_BT, lengths_B, tree_mask_BTT, capture=(),
                with_experts: bool = False):
@@ -365,16 +323,6 @@ class LlamaTarget:
         if with_experts:
             return logits, caches, cap, jnp.zeros((0,), jnp.int32)
         return logits, caches, cap
-
-    def _forward_fn(self, params, tokens_BT):
-        B, T = tokens_BT.shape
-        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        h, _, _ = self._apply(params, tokens_BT, pos_BT)
-        return self.head(params, h)
-
-    def forward(self, tokens_BT):
-        """Full-sequence forward without a cache -> f32 logits [B, T, V]."""
-        return self._forward(self.params, jnp.asarray(tokens_BT, jnp.int32))
 
 
 # ---------------------------------------------------------------- random weights (tests, benchmarks)
