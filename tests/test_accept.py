@@ -8,19 +8,7 @@ import numpy as np
 
 from kimijax.sampling import processed_logprobs
 from kimijax.spec import accept, ddtree
-
-
-def chi2_pvalue(observed, expected):
-    """Pearson chi-square p-value; cells with expected < 5 are pooled, zero-expected cells must be empty."""
-    observed, expected = np.asarray(observed, np.float64), np.asarray(expected, np.float64)
-    assert observed[expected == 0].sum() == 0, "emitted a token pair the target can never produce"
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = float(np.sum((obs - exp) ** 2 / exp))
-    df = len(obs) - 1
-    return float(jax.scipy.special.gammaincc(df / 2.0, stat / 2.0)) if df > 0 else 1.0
+from stats import chi2_pvalue
 
 
 def brute_walk(tokens, parents, valid, choices):
@@ -218,5 +206,6 @@ def test_sampling_walk_is_lossless():
         joint = q[ROOT_S][:, None] * q  # p(x1, x2 | root)
         observed = np.zeros((V_S, V_S))
         np.add.at(observed, (x1, x2), 1)
-        pv = chi2_pvalue(observed.ravel(), joint.ravel() * S)
+        pv = chi2_pvalue(observed.ravel(), joint.ravel() * S,
+                         impossible="emitted a token pair the target can never produce")
         assert pv > 0.01, (temperature, top_p, pv)

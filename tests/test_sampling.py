@@ -6,22 +6,10 @@ import numpy as np
 import pytest
 
 from kimijax.sampling import check_sampling_params, processed_logprobs, sample_tokens
+from stats import chi2_pvalue
 
 sample_jit = jax.jit(sample_tokens)
 logprobs_jit = jax.jit(processed_logprobs)
-
-
-def chi2_pvalue(observed, expected):
-    """Pearson chi-square p-value; cells with expected < 5 are pooled, zero-expected cells must be empty."""
-    observed, expected = np.asarray(observed, np.float64), np.asarray(expected, np.float64)
-    assert observed[expected == 0].sum() == 0, "sampled a token outside the kept set"
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = float(np.sum((obs - exp) ** 2 / exp))
-    df = len(obs) - 1
-    return float(jax.scipy.special.gammaincc(df / 2.0, stat / 2.0)) if df > 0 else 1.0
 
 
 def np_keep_set(logits, temperature, top_k, top_p):
@@ -118,7 +106,8 @@ def test_empirical_frequencies_match_processed_logprobs():
     probs = np.exp(np.asarray(logprobs_jit(logits_RV, t, k, p), np.float64))
     for r in range(R):
         counts = np.bincount(toks[:, r], minlength=V)
-        pv = chi2_pvalue(counts, probs[r] * S)
+        pv = chi2_pvalue(counts, probs[r] * S,
+                         impossible="sampled a token outside the kept set")
         assert pv > 0.01, (settings[r], counts, probs[r] * S, pv)
 
 
