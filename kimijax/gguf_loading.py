@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import unflatten_dict
 
 from kimijax.loading import CheckpointError
 from kimijax.models.llama import LlamaConfig, LlamaTarget, random_llama_target  # noqa: F401  (re-exported)
@@ -264,13 +265,7 @@ def load_gguf_params(reader, cfg: LlamaConfig, *, progress: bool = False):
         if a.shape != shapes[path]:
             raise GGUFError(f"tensor {name!r} has shape {list(a.shape)}; expected {list(shapes[path])}")
         flat[path] = jax.device_put(a.astype(dt))
-    out: dict = {}
-    for path, v in flat.items():
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = v
-    return out
+    return unflatten_dict(flat)
 
 
 def gguf_metadata_arch(reader) -> str:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can read BF16)
 import numpy as np
 from flax.core import meta
+from flax.traverse_util import unflatten_dict
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
@@ -252,17 +253,7 @@ def load_checkpoint_params(path: str | os.PathLike, cfg: KimiConfig, shardings=N
             out[key] = jax.make_array_from_callback(leaf.shape, sh, read)
         bar.update(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize)
     bar.close()
-    return _unflatten(out)
-
-
-def _unflatten(flat: dict[tuple[str, ...], Any]):
-    tree: dict = {}
-    for key, v in flat.items():
-        d = tree
-        for k in key[:-1]:
-            d = d.setdefault(k, {})
-        d[key[-1]] = v
-    return tree
+    return unflatten_dict(out)
 
 
 # ---------------------------------------------------------------- orbax

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax.traverse_util import unflatten_dict
 
 from kimijax.config import ConfigError
 from kimijax.models.common import MLP, RMSNorm, apply_rope_half, param, rope_cos_sin
@@ -480,17 +481,7 @@ def load_drafter(path: str | os.PathLike, target, dtype: str | None = None,
             raise DrafterError(f"cannot read tensor {n!r} from {where[n]}: {e}") from None
         arr = np.asarray(arr).astype(np_dt, copy=False).reshape(pshape)
         flat[ppath] = jax.device_put(arr, None if sh_flat is None else sh_flat.get(ppath))
-    return Drafter(cfg, _unflatten(flat), source=str(p))
-
-
-def _unflatten(flat: dict[tuple[str, ...], Any]):
-    out: dict = {}
-    for path, v in flat.items():
-        d = out
-        for k in path[:-1]:
-            d = d.setdefault(k, {})
-        d[path[-1]] = v
-    return out
+    return Drafter(cfg, unflatten_dict(flat), source=str(p))
 
 
 def save_drafter(drafter: Drafter, path: str | os.PathLike, dtype: str = "bfloat16") -> Path:
