@@ -18,7 +18,8 @@ A pipeline step of GS groups reads one contiguous GS * 128 * 16-byte piece of we
 Kernels (dense routing: every token is a column of every used expert's product; at T <= 16 the padding
 columns cost MMA slots, not bytes):
   1. gate/up: grid (P = T*K pairs, F/64).  Program (u, f) exits unless pair u is the first pair routed to
-     its expert (the XLA glue marks duplicates -1), else streams the expert's gate and up rows of block f
+     its expert (the XLA glue marks duplicates -1; at T=1 no marks: a token's K experts are distinct, and
+     only zero-weight pairs are marked), else streams the expert's gate and up rows of block f
      once and writes h[u, f*64 .. +63, :] = silu(gate x) * up x in bf16 for all 16 token columns.
   2. down: grid (P, D/64): y_u[d rows, :] = down_e h[u] in f32 per active pair; XLA sums the pairs with the
      routing weights (zero for tokens not routed to the pair's expert, and for duplicate pairs).
@@ -471,7 +472,12 @@ def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), inter
     if "gate_packed" in experts:
         experts = to_mgpu_layout(experts)
     x = x_TD.astype(jnp.bfloat16)
-    if T <= MAX_DENSE_TOKENS:
+    if T == 1:  # decode: each pair with its own weight, no duplicate marks (top-k ids are distinct; a repeated id
+        # would be read twice, still exact). Zero-weight pairs are skipped; the select also lets XLA fuse the ids'
+        # slice out of top-k with the weights' scaling (offline: a Kimi layer 33 -> 32 launches, as the Triton one)
+        slot_e = jnp.where(w_TK[0] != 0, ids_TK[0].astype(jnp.int32), -1)
+        xg = jnp.pad(x, ((0, NB - T), (0, 0))).T.reshape(D // GROUP, GROUP, NB)
+    elif T <= MAX_DENSE_TOKENS:
         slot_e, wt = routing(ids_TK, w_TK)
         xg = jnp.pad(x, ((0, NB - T), (0, 0))).T.reshape(D // GROUP, GROUP, NB)
     else:
@@ -482,7 +488,9 @@ def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), inter
     h = _gate_up(slot_e, xg, experts["gu_q"], experts["gu_s"], cfg=cfg, interpret=interpret)
     # dense: every pair's rows are summed, so inactive pairs write zeros (0 * garbage could be NaN)
     y_PDN = _down(slot_e, h, experts["dn_q"], experts["dn_s"], cfg=cfg, interpret=interpret, zero_inactive=dense)
-    if dense:
+    if T == 1:
+        y_TD = jnp.einsum("pd,p->d", y_PDN[:, :, 0], w_TK[0].astype(jnp.float32))[None]
+    elif dense:
         y_TD = jnp.einsum("pdn,pn->nd", y_PDN, wt)[:T]
     else:
         # Each token's K partial rows (active slots only), gathered and weighted in k order: deterministic,

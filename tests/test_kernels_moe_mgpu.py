@@ -51,7 +51,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _check(T, K, *, pool=None, ids=None, cfg=mg.Config(), relayout=True, words=False):
+def _check(T, K, *, pool=None, ids=None, w=None, cfg=mg.Config(), relayout=True, words=False):
     seed = _seed()
     rng = np.random.default_rng(seed)
     ex = _experts(rng)
@@ -59,6 +59,8 @@ def _check(T, K, *, pool=None, ids=None, cfg=mg.Config(), relayout=True, words=F
     ids_r, w = _routing(rng, T, K, pool)
     if ids is not None:
         ids_r = jnp.asarray(ids, jnp.int32)
+    if w is not None:
+        w = jnp.asarray(w, jnp.float32)
     ex_k = mg.to_mgpu_layout(ex, words=words) if relayout else ex  # checkpoint layout: moe_mgpu converts it
     assert mg.supports(x, ex_k)
     y = jax.jit(functools.partial(mg.moe_mgpu, cfg=cfg, interpret=True))(x, ids_r, w, ex_k)
@@ -74,6 +76,16 @@ def _check(T, K, *, pool=None, ids=None, cfg=mg.Config(), relayout=True, words=F
 def test_one_token_checkpoint_layout():
     # decode's common case; also the in-call conversion from the checkpoint layout
     _check(T=1, K=4, relayout=False)
+
+
+def test_one_token_repeated_expert():
+    # the one-token path keeps every pair (no duplicate marks): a repeated id is computed twice, each with its weight
+    _check(T=1, K=4, ids=np.array([[3, 1, 3, 3]]), words=True)
+
+
+def test_one_token_zero_weight_pair_skipped():
+    # a zero-weight pair is not computed at all (its down program writes zeros)
+    _check(T=1, K=4, w=np.array([[0.3, 0.0, 0.7, 0.2]]), words=True, cfg=mg.Config(down_tiles=2))
 
 
 def test_five_tokens_k2_empty_experts():
