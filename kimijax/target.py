@@ -111,6 +111,7 @@ class KimiTarget(TargetBase):
     random_weights: bool = False
     source: str = ""
     expert_fn: Any = None  # routed-expert override (expert parallelism); see sharding/moe_ep.py
+    attn_fn: Any = None  # tree-attention override (heads over "tensor"); see sharding/attention_tp.py
     mesh: Any = None  # a sharding.mesh mesh: params are expected on it (sharding.rules); caches are put on it
     # INT4 routed experts in memory: "checkpoint", "kernel" (the Pallas MoE's layout) or "auto" (kernel when
     # moe_impl is a kernel and the shapes allow it). Params arriving in the other layout are converted once,
@@ -124,11 +125,14 @@ class KimiTarget(TargetBase):
         if self.mesh is not None and self.expert_fn is None:
             from sharding.moe_ep import make_expert_fn
             self.expert_fn = make_expert_fn(self.mesh)
+        if self.mesh is not None and self.attn_fn is None:  # a Pallas kernel would run all heads on every device
+            from sharding.attention_tp import make_attention_fn
+            self.attn_fn = make_attention_fn(self.mesh)
         want = resolve_expert_layout(self.cfg, self.moe_impl, self.mesh, self.expert_layout)
         if self.params is not None and params_expert_layout(self.params) != want:
             self.params = convert_expert_layout(self.params, want, self.mesh)
         self.expert_layout = want
-        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn, want)
+        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn, want, self.attn_fn)
         self._forward = jax.jit(self._forward_fn)
 
     def init_cache(self, B: int, L: int):
@@ -155,7 +159,7 @@ class KimiTarget(TargetBase):
             params = jax.device_put(params, param_shardings(self.cfg, mesh, layout))
             layout_pref = "auto" if kernel_layout else self.expert_layout
         return dataclasses.replace(self, params=params, mesh=mesh, expert_fn=make_expert_fn(mesh, dispatch),
-                                   expert_layout=layout_pref)
+                                   attn_fn=None, expert_layout=layout_pref)  # attn_fn: rebuilt for this mesh
 
     # ---- pure functions (TargetBase: embed, head, prefill, forward)
     def tree_topk(self, logits_BLV, K: int):

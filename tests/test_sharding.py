@@ -306,3 +306,44 @@ def test_drafter_fc_split_over_tensor(ref, layout):
     got = jax.jit(dm.context_kv)(dm.params, feats, pos)
     for w, g in zip(want, got):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["tp8", "tp4ep2", "dp2tp4"])
+def test_tree_attention_runs_each_devices_heads(layout, monkeypatch):
+    # A Pallas kernel is a custom call GSPMD cannot split (on a GPU it would all-gather q and run every head on
+    # every device): sharding.attention_tp runs it under shard_map, each device on its H / tp heads
+    from pallas_kernels import tree_attention as ta
+    from sharding import attention_tp
+    from sharding.mesh import mesh_sizes
+
+    seen = []
+
+    def spy(q, *a, **kw):
+        seen.append(q.shape)
+        return ta.tree_attention(q, *a, **kw)
+
+    monkeypatch.setattr(attention_tp, "tree_attention", spy)
+    mesh = make_mesh(layout)
+    rng = np.random.default_rng(5)
+    B, T, H, L, K, R = 4, 5, 8, 40, 16, 8
+    q = jnp.asarray(rng.normal(size=(B, T, H, K + R)), jnp.float32)
+    cache = jnp.asarray(rng.normal(size=(B, L, K + R)), jnp.float32)
+    lengths = jnp.asarray([3, 20, 35, 0], jnp.int32)
+    tree = jnp.asarray((np.tril(np.ones((T, T), bool)) & (rng.random((B, T, T)) < 0.7)) | np.eye(T, dtype=bool))
+    fn = attention_tp.make_attention_fn(mesh)
+    out, lse = jax.jit(lambda *a: fn(*a, 0.3, K, "interpret"))(q, cache, lengths, tree)
+    ref_out, ref_lse = ta.tree_attention_ref(q, cache, lengths, tree, 0.3, K)
+    sizes = mesh_sizes(mesh)
+    assert seen and all(s == (B // sizes["data"], T, H // sizes["tensor"], K + R) for s in seen), (seen, sizes)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-5, rtol=1e-5)
+    assert out.sharding.spec[2] == "tensor"
+
+
+def test_tree_attention_heads_must_divide(ref):
+    from sharding.attention_tp import make_attention_fn
+
+    fn = make_attention_fn(make_mesh("tp8"))
+    q = jnp.zeros((1, 2, 6, 24), jnp.float32)  # 6 heads on an 8-way tensor axis
+    with pytest.raises(ShardingError, match="6 attention heads"):
+        fn(q, jnp.zeros((1, 8, 24)), jnp.zeros((1,), jnp.int32), jnp.ones((1, 2, 2), bool), 0.3, 16, "xla")

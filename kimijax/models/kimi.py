@@ -28,12 +28,13 @@ class DecoderLayer(nn.Module):
     moe_impl: str = "xla"
     expert_fn: Any = None
     expert_layout: str = "checkpoint"
+    attn_fn: Any = None
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, absorbed):
         c = self.cfg
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_layernorm")(x_BTD)
-        a, cache = MLA(c, self.dtype, self.attn_impl, name="self_attn")(
+        a, cache = MLA(c, self.dtype, self.attn_impl, self.attn_fn, name="self_attn")(
             h, positions_BT, cache, lengths_B, tree_mask_BTT, absorbed=absorbed)
         x_BTD = x_BTD + a
         h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
@@ -51,6 +52,7 @@ class Kimi(nn.Module):
     moe_impl: str = "xla"
     expert_fn: Any = None  # routed-expert override, e.g. expert-parallel dispatch from sharding/moe_ep.py
     expert_layout: str = "checkpoint"  # INT4 routed experts: "checkpoint", "kernel" or "mgpu" (see models/moe.py)
+    attn_fn: Any = None  # tree-attention override, e.g. heads split over a mesh from sharding/attention_tp.py
 
     @property
     def dtype(self):
@@ -61,7 +63,8 @@ class Kimi(nn.Module):
         self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                                   self.dtype, init="normal")
         self.layers = [DecoderLayer(c, c.is_moe_layer(i), self.dtype, self.attn_impl, self.moe_impl,
-                                    self.expert_fn, self.expert_layout, name=f"layers_{i}") for i in range(c.num_hidden_layers)]
+                                    self.expert_fn, self.expert_layout, self.attn_fn, name=f"layers_{i}")
+                       for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
         self.lm_head = param(self, "lm_head", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
 

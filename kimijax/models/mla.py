@@ -11,6 +11,8 @@ N nope dim, R rope dim, V v_head dim, C = K + R.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ class MLA(nn.Module):
     cfg: KimiConfig
     dtype: jnp.dtype
     attn_impl: str = "xla"
+    attn_fn: Any = None  # tree_attention's stand-in on a mesh (sharding/attention_tp.py); None: tree_attention
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_BLC=None, lengths_B=None, tree_mask_BTT=None,
@@ -82,8 +85,8 @@ class MLA(nn.Module):
             with jax.named_scope("mla_absorbed"):
                 q_lat_BTHK = jnp.einsum("bthn,hnk->bthk", q_nope_BTHN, w_uk_HNK)
                 q_cat_BTHC = jnp.concatenate([q_lat_BTHK, q_pe_BTHR], axis=-1)
-                o_lat_BTHK, _ = tree_attention(q_cat_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale, K,
-                                               impl=self.attn_impl)
+                attend = self.attn_fn or tree_attention
+                o_lat_BTHK, _ = attend(q_cat_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale, K, impl=self.attn_impl)
                 o_BTHV = jnp.einsum("bthk,hvk->bthv", o_lat_BTHK.astype(dt), w_uv_HVK)
         else:
             with jax.named_scope("mla_naive"):
