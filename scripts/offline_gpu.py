@@ -19,6 +19,7 @@ fusion decisions and kernel counts do not depend on autotuning except for GEMM f
   python scripts/offline_gpu.py kernels --what layer --tokens 1            # a whole Kimi MoE layer
   python scripts/offline_gpu.py sass --words [--config vector_loads=1]    # Mosaic GPU MoE: SASS + main loop
   python scripts/offline_gpu.py kernels --what round --method ddtree:16 [--commit-impl pallas] [--tree-impl pallas]
+  python scripts/offline_gpu.py mesh --layout tp8 --tokens 9   # the MLA kernel on 8 GPUs: GSPMD vs shard_map
 
 (PYTHONPATH=. and the side venv's python.) Measured this way (2026-12-07): the MLA block at T=1 over a 4k
 cache (donated, as in the model) was 19 launches, as the GPU profile of 2026-12-04 counted, and is 17 since
@@ -58,6 +59,15 @@ def device():
     return topo.devices[0]
 
 
+@functools.cache
+def devices(n: int):
+    """n pretend H200s of one host (the topology of an 8-GPU box for n = 8)."""
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc("h200", "cuda", target_config=TARGET.read_text(),
+                                        topology=f"1x1x{n}").devices
+
+
 def abstract(tree):
     """Arrays / ShapeDtypeStructs -> ShapeDtypeStructs on the pretend H200."""
     import jax
@@ -74,7 +84,8 @@ def compile_for_gpu(fn, *args, static_argnums=(), donate_argnums=()):
     import jax
     from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
 
-    dyn = tuple(a if i in static_argnums else abstract(a) for i, a in enumerate(args))
+    keep = lambda a: getattr(a, "sharding", None) is not None and not hasattr(a, "devices")  # placed structs
+    dyn = tuple(a if i in static_argnums or keep(a) else abstract(a) for i, a in enumerate(args))
     info = reg.gpu_info_lib.get_gpu_info
     reg.gpu_info_lib.get_gpu_info = lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
     try:
@@ -255,6 +266,34 @@ def _layer(T: int, L: int, impl: str, moe_impl: str = "pallas"):
     return _kimi_block(DecoderLayer(cfg, True, jnp.bfloat16, impl, moe_impl, None, LAYOUT_OF_IMPL[moe_impl]), T, L)
 
 
+def _attn_on_mesh(layout: str, T: int, L: int, B: int, shard: bool):
+    """The MLA tree attention kernel at Kimi width (64 heads) on pretend H200s in `layout`, q split by heads over
+    "tensor" as the model's projections leave it: under sharding.attention_tp (shard=True) or left to GSPMD."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from pallas_kernels.tree_attention import tree_attention
+    from sharding.attention_tp import make_attention_fn
+    from sharding.mesh import layout_devices, make_mesh
+    from sharding.rules import batch_axis
+
+    mesh = make_mesh(layout, devices(layout_devices(layout)))
+    b = batch_axis(mesh, B)
+    S = lambda shape, dt, *spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P(*spec)))
+    args = (S((B, T, 64, 576), jnp.bfloat16, b, None, "tensor", None), S((B, L, 576), jnp.bfloat16, b),
+            S((B,), jnp.int32, b), S((B, T, T), jnp.bool_, b))
+    attend = make_attention_fn(mesh) if shard else tree_attention
+    return compile_for_gpu(lambda *a: attend(*a, 0.07, 512, impl="pallas"), *args)
+
+
+def _mesh_report(hlo: str) -> str:
+    """All-gathers and the kernel's query rows per device in a compiled mesh program."""
+    gathers = len(re.findall(r"= [^=]*\ball-gather(?:-start)?\(", hlo))
+    rows = [m.group(1) for m in re.finditer(r"= \(f32\[\d+,\d+,(\d+),\d+\][^=]*custom-call\(.*__gpu\$xla\.gpu\.triton", hlo)]
+    return f"{gathers} all-gathers; the kernel's query rows per device (padded to its blocks): {', '.join(rows) or '?'}"
+
+
 def _round(method: str, budget: int, C: int, prompt_len: int = 256, rounds: int = 16, mlp_impl: str = "xla",
            proj_impl: str = "xla", commit_impl: str = "xla", tree_impl: str = "xla"):
     """The Engine's chunk program (`rounds` decode rounds in the device loop) for the embedded default's shapes
@@ -296,7 +335,9 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["kernels", "sass"])
+    ap.add_argument("cmd", choices=["kernels", "sass", "mesh"])
+    ap.add_argument("--layout", default="tp8", help="mesh: the sharding layout (sharding.make_mesh)")
+    ap.add_argument("--batch", type=int, default=1, help="mesh: requests")
     ap.add_argument("--what", default="moe", choices=["moe", "attn", "layer", "round"])
     ap.add_argument("--method", default="ddtree:16", help="round: ar, dflash or ddtree:N")
     ap.add_argument("--concurrency", type=int, default=1, help="round: batch rows")
@@ -319,6 +360,12 @@ def main(argv=None) -> int:
         for name, r in rep.items():
             print(f"{name}: {r['registers']} registers, {r['spill_bytes']} B spilled; main loop "
                   f"{r['loop_len']} instructions: " + " ".join(f"{k} {v}" for k, v in r["loop_ops"].items()))
+        return 0
+    if args.cmd == "mesh":  # the tree attention on a mesh: left to GSPMD vs sharding.attention_tp
+        for shard in (False, True):
+            c = _attn_on_mesh(args.layout, args.tokens, args.context, args.batch, shard)
+            print(f"{args.layout}, B={args.batch} T={args.tokens} L={args.context}, "
+                  f"{'shard_map (sharding.attention_tp)' if shard else 'left to GSPMD'}: {_mesh_report(c.as_text())}")
         return 0
     if args.what == "moe":
         c = _moe(args.tokens, args.backend, words=args.words)

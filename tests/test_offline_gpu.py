@@ -51,3 +51,10 @@ def test_launches_walk_the_while_body():
     assert per_round[2][2] == "jit(f)/while/body/commit/pallas_call"
     assert og.count_kernels(HLO, in_loop=True) == {"compare": 1, "fusion:kLoop": 1,
                                                    "custom-call:__gpu$xla.gpu.triton": 1}
+
+
+def test_mesh_report_reads_gathers_and_kernel_rows():
+    hlo = """  %all-gather-start = ((bf16[9,8,576]{2,0,1}), bf16[9,64,576]{2,0,1}) all-gather-start(%b), channel_id=1
+  %pallas_call.6 = (f32[1,13,576,512]{3,2,1,0}, f32[1,13,576]{2,1,0}) custom-call(%p, %q), custom_call_target="__gpu$xla.gpu.triton"
+"""
+    assert og._mesh_report(hlo) == ("1 all-gathers; the kernel's query rows per device (padded to its blocks): 576")
