@@ -117,11 +117,20 @@ class KimiTarget(TargetBase):
     # moe_impl is a kernel and the shapes allow it). Params arriving in the other layout are converted once,
     # into a copy (the caller may still hold them); load_target converts in place (donated) before this.
     expert_layout: str = "auto"
+    # One-row RMSNorms (decode steps) as one kernel instead of XLA's two launches: "pallas" / "interpret" / "xla";
+    # None: the GPU default (pallas_kernels/rms_norm.py, `default_kernel_impl`). Multi-row passes use XLA's.
+    norm_impl: str | None = None
 
     def __post_init__(self):
         from pallas_kernels.moe_int4 import IMPLS
         if self.moe_impl not in IMPLS:
             raise ValueError(f"unknown MoE impl {self.moe_impl!r}: choose one of {', '.join(IMPLS)}")
+        from pallas_kernels import rms_norm
+        if self.norm_impl is None:
+            from kimijax.loading import default_kernel_impl
+            self.norm_impl = default_kernel_impl("rms_norm")
+        if self.norm_impl not in rms_norm.IMPLS:
+            raise ValueError(f"unknown RMSNorm impl {self.norm_impl!r}: choose one of {', '.join(rms_norm.IMPLS)}")
         if self.mesh is not None and self.expert_fn is None:
             from sharding.moe_ep import make_expert_fn
             self.expert_fn = make_expert_fn(self.mesh)
@@ -132,7 +141,7 @@ class KimiTarget(TargetBase):
         if self.params is not None and params_expert_layout(self.params) != want:
             self.params = convert_expert_layout(self.params, want, self.mesh)
         self.expert_layout = want
-        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn, want, self.attn_fn)
+        self.module = Kimi(self.cfg, self.attn_impl, self.moe_impl, self.expert_fn, want, self.attn_fn, self.norm_impl)
         self._forward = jax.jit(self._forward_fn)
 
     def init_cache(self, B: int, L: int):

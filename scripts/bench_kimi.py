@@ -221,12 +221,14 @@ def build_slice(args) -> Slice:
     cfg = dataclasses.replace(small if args.smoke else KIMI_K26, num_hidden_layers=n)
     attn_impl = args.attn_impl or args.kernels or default_kernel_impl("tree_attention")
     moe_impl = args.moe_impl or args.kernels or default_kernel_impl("moe_int4")
+    norm_impl = args.norm_impl or args.kernels or default_kernel_impl("rms_norm")
     t = time.perf_counter()
     params = build_target_params(cfg, n, args.seed)
     layout = resolve_expert_layout(cfg, moe_impl, want=args.expert_layout)
     # converted here with donation, as load_target does (the target would copy: 2x the experts' memory)
     params = convert_expert_layout(params, layout, donate=True)
-    target = KimiTarget(cfg, params, attn_impl, moe_impl, random_weights=True, expert_layout=layout)
+    target = KimiTarget(cfg, params, attn_impl, moe_impl, random_weights=True, expert_layout=layout,
+                        norm_impl=norm_impl)
     jax.block_until_ready(target.params)
     t_init = time.perf_counter() - t
     if args.smoke:
@@ -245,7 +247,7 @@ def build_slice(args) -> Slice:
     dp = drafter.params
     fc = int(dp["fc"].nbytes) if "fc" in dp else 0
     info = dict(layers=n, moe_layers=sum(cfg.is_moe_layer(i) for i in range(n)), attn_impl=attn_impl,
-                moe_impl=moe_impl, expert_layout=layout, weights_bytes=nbytes(params),
+                moe_impl=moe_impl, norm_impl=norm_impl, expert_layout=layout, weights_bytes=nbytes(params),
                 drafter_bytes=nbytes(dp), drafter_fc_bytes=fc,
                 drafter_layer_bytes=nbytes(dp["layers_0"]) if "layers_0" in dp else 0,
                 drafter_layers=dcfg.num_hidden_layers, block_size=dcfg.block_size,
@@ -255,7 +257,7 @@ def build_slice(args) -> Slice:
                 dcfg={k: v for k, v in dataclasses.asdict(dcfg).items() if not isinstance(v, dict)})
     print(f"slice: {n} layers ({info['moe_layers']} MoE), {info['weights_bytes'] / 1e9:.1f} GB target + "
           f"{info['drafter_bytes'] / 1e9:.1f} GB drafter, init {t_init:.1f}s + {t_dinit:.1f}s; kernels "
-          f"attn={attn_impl} moe={moe_impl}, experts in the {layout} layout", flush=True)
+          f"attn={attn_impl} moe={moe_impl} norm={norm_impl}, experts in the {layout} layout", flush=True)
     return Slice(cfg, dcfg, target, drafter, info)
 
 
@@ -631,7 +633,7 @@ class Components:
 
         def build():
             c, dt = self.cfg, self.sl.target.dtype
-            mla = MLA(c, dt, self.sl.info["attn_impl"])
+            mla = MLA(c, dt, self.sl.info["attn_impl"], norm_impl=self.sl.info["norm_impl"])
             p = (self.p_moe or self.p_dense)["self_attn"]
             # returns (attention output, updated cache): the output must be a result or XLA drops the attention
             f = jax.jit(lambda p, x, pos, cache, lens, mask: mla.apply({"params": p}, x, pos, cache, lens, mask,
@@ -1060,6 +1062,7 @@ def parse_args(argv=None):
     ap.add_argument("--kernels", default=None, help="xla | pallas (default: the engine's default)")
     ap.add_argument("--attn-impl", default=None, help="tree attention only: auto | pallas | xla (overrides --kernels)")
     ap.add_argument("--moe-impl", default=None, help="routed experts only: xla | pallas | mgpu (overrides --kernels)")
+    ap.add_argument("--norm-impl", default=None, help="one-row RMSNorms only: xla | pallas (overrides --kernels)")
     ap.add_argument("--expert-layout", default="auto", choices=("auto", "kernel", "mgpu", "checkpoint"),
                     help="auto: the layout of the MoE kernel that runs (checkpoint for xla)")
     ap.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the config's, 8)")

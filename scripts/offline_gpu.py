@@ -254,7 +254,7 @@ def _attn(T: int, L: int, impl: str):
     return _kimi_block(MLA(cfg, jnp.bfloat16, impl), T, L)
 
 
-def _layer(T: int, L: int, impl: str, moe_impl: str = "pallas"):
+def _layer(T: int, L: int, impl: str, moe_impl: str = "pallas", norm_impl: str = "pallas"):
     """One full-width Kimi K2.6 MoE decoder layer (norms, absorbed MLA, router, INT4 experts in the layout of
     the MoE kernel that runs: "pallas" the Triton kernel, "mgpu" the Mosaic GPU one; shared expert)."""
     import jax.numpy as jnp
@@ -263,7 +263,8 @@ def _layer(T: int, L: int, impl: str, moe_impl: str = "pallas"):
     from kimijax.models.kimi import DecoderLayer
     from kimijax.target import LAYOUT_OF_IMPL
 
-    return _kimi_block(DecoderLayer(cfg, True, jnp.bfloat16, impl, moe_impl, None, LAYOUT_OF_IMPL[moe_impl]), T, L)
+    return _kimi_block(DecoderLayer(cfg, True, jnp.bfloat16, impl, moe_impl, None, LAYOUT_OF_IMPL[moe_impl],
+                                    norm_impl=norm_impl), T, L)
 
 
 def _attn_on_mesh(layout: str, T: int, L: int, B: int, shard: bool):
@@ -351,6 +352,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="mgpu", choices=["mgpu", "triton"])
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--moe-impl", default="pallas", choices=["pallas", "mgpu"], help="layer: the MoE kernel")
+    ap.add_argument("--norm-impl", default="pallas", choices=["pallas", "xla"], help="layer: the one-row norms")
     args = ap.parse_args(argv)
     if args.cmd == "sass":
         from pallas_kernels.moe_int4_mgpu import Config
@@ -372,7 +374,7 @@ def main(argv=None) -> int:
     elif args.what == "attn":
         c = _attn(args.tokens, args.context, args.impl)
     elif args.what == "layer":
-        c = _layer(args.tokens, args.context, args.impl, args.moe_impl)
+        c = _layer(args.tokens, args.context, args.impl, args.moe_impl, args.norm_impl)
     else:
         name, _, b = args.method.partition(":")
         c = _round(name, int(b or 0), args.concurrency, mlp_impl=args.mlp_impl, proj_impl=args.proj_impl,

@@ -12,6 +12,7 @@ import numpy as np
 
 from kimijax.config import YarnScaling, yarn_mscale
 from pallas_kernels import skinny_mlp
+from pallas_kernels.rms_norm import rms_norm  # noqa: F401  (re-exported: the models' norm)
 
 
 def param(mod: nn.Module, name: str, shape, axes, dtype, init: str = "fan_in", fan_in: int | None = None):
@@ -40,23 +41,17 @@ def param(mod: nn.Module, name: str, shape, axes, dtype, init: str = "fan_in", f
     return mod.param(name, nn.with_logical_partitioning(lambda key: fn(key, tuple(shape), dtype), axes))
 
 
-def rms_norm(x, w, eps: float):
-    """HF order: normalise in f32, cast back to the input dtype, then multiply by the weight."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return y.astype(x.dtype) * w.astype(x.dtype)
-
-
 class RMSNorm(nn.Module):
     dim: int
     eps: float
     dtype: jnp.dtype
     axis_name: str = "norm"
+    impl: str = "xla"  # "pallas": one kernel for a single row (pallas_kernels/rms_norm.py); passes of 2+ rows: XLA
 
     @nn.compact
     def __call__(self, x):
         w = param(self, "weight", (self.dim,), (self.axis_name,), self.dtype, init="ones")
-        return rms_norm(x, w, self.eps)
+        return rms_norm(x, w, self.eps, self.impl)
 
 
 # f32 attention-score elements per query chunk (1 GiB): a long prompt's [B, H, T, T] scores would not fit (Kimi,

@@ -29,15 +29,17 @@ class DecoderLayer(nn.Module):
     expert_fn: Any = None
     expert_layout: str = "checkpoint"
     attn_fn: Any = None
+    norm_impl: str = "xla"
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache, lengths_B, tree_mask_BTT, absorbed):
         c = self.cfg
-        h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_layernorm")(x_BTD)
-        a, cache = MLA(c, self.dtype, self.attn_impl, self.attn_fn, name="self_attn")(
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, impl=self.norm_impl, name="input_layernorm")(x_BTD)
+        a, cache = MLA(c, self.dtype, self.attn_impl, self.attn_fn, self.norm_impl, name="self_attn")(
             h, positions_BT, cache, lengths_B, tree_mask_BTT, absorbed=absorbed)
         x_BTD = x_BTD + a
-        h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x_BTD)
+        h = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, impl=self.norm_impl,
+                    name="post_attention_layernorm")(x_BTD)
         if self.moe:
             f = MoE(c, self.dtype, self.moe_impl, self.expert_fn, self.expert_layout, name="mlp")(h)
         else:
@@ -53,6 +55,7 @@ class Kimi(nn.Module):
     expert_fn: Any = None  # routed-expert override, e.g. expert-parallel dispatch from sharding/moe_ep.py
     expert_layout: str = "checkpoint"  # INT4 routed experts: "checkpoint", "kernel" or "mgpu" (see models/moe.py)
     attn_fn: Any = None  # tree-attention override, e.g. heads split over a mesh from sharding/attention_tp.py
+    norm_impl: str = "xla"  # "pallas": one-row norms as one kernel (pallas_kernels/rms_norm.py)
 
     @property
     def dtype(self):
@@ -63,9 +66,10 @@ class Kimi(nn.Module):
         self.embed_tokens = param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                                   self.dtype, init="normal")
         self.layers = [DecoderLayer(c, c.is_moe_layer(i), self.dtype, self.attn_impl, self.moe_impl,
-                                    self.expert_fn, self.expert_layout, self.attn_fn, name=f"layers_{i}")
+                                    self.expert_fn, self.expert_layout, self.attn_fn, self.norm_impl,
+                                    name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, impl=self.norm_impl, name="norm")
         self.lm_head = param(self, "lm_head", (c.vocab_size, c.hidden_size), ("vocab", "embed"), self.dtype)
 
     def embed(self, tokens_BT):

@@ -48,6 +48,7 @@ class MLA(nn.Module):
     dtype: jnp.dtype
     attn_impl: str = "xla"
     attn_fn: Any = None  # tree_attention's stand-in on a mesh (sharding/attention_tp.py); None: tree_attention
+    norm_impl: str = "xla"  # the q latent norm (pallas_kernels/rms_norm.py)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_BLC=None, lengths_B=None, tree_mask_BTT=None,
@@ -65,10 +66,11 @@ class MLA(nn.Module):
         w_o_DHV = param(self, "o_proj", (D, H, V), ("embed", "heads", "v_dim"), dt, fan_in=H * V)
 
         with jax.named_scope("mla_proj"):
-            cq_BTQ = rms_norm(jnp.einsum("btd,qd->btq", x_BTD, w_qa_QD), w_qa_norm, c.latent_norm_eps)
+            cq_BTQ = rms_norm(jnp.einsum("btd,qd->btq", x_BTD, w_qa_QD), w_qa_norm, c.latent_norm_eps, self.norm_impl)
             q_BTHE = jnp.einsum("btq,heq->bthe", cq_BTQ, w_qb_HEQ)
             q_nope_BTHN, q_pe_BTHR = q_BTHE[..., :N], q_BTHE[..., N:]
             kva_BTC = jnp.einsum("btd,cd->btc", x_BTD, w_kva_CD)
+            # XLA's norm here: its multiply fuses into the cache write (a kernel would add the slice's launch)
             ckv_BTK = rms_norm(kva_BTC[..., :K], w_kva_norm, c.latent_norm_eps)
             inv_freq, amp = yarn_inv_freq(R, c.rope_theta, c.rope_scaling)
             cos_BTr, sin_BTr = rope_cos_sin(positions_BT, inv_freq, amp)
