@@ -118,7 +118,7 @@ class KimiTarget(TargetBase):
     # into a copy (the caller may still hold them); load_target converts in place (donated) before this.
     expert_layout: str = "auto"
     # One-row RMSNorms (decode steps) as one kernel instead of XLA's two launches: "pallas" / "interpret" / "xla";
-    # None: the GPU default (pallas_kernels/rms_norm.py, `default_kernel_impl`). Multi-row passes use XLA's.
+    # None: `default_kernel_impl("rms_norm")`, "xla" until timed (pallas_kernels/rms_norm.py). Passes of 2+ rows: XLA.
     norm_impl: str | None = None
 
     def __post_init__(self):

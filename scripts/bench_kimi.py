@@ -221,7 +221,7 @@ def build_slice(args) -> Slice:
     cfg = dataclasses.replace(small if args.smoke else KIMI_K26, num_hidden_layers=n)
     attn_impl = args.attn_impl or args.kernels or default_kernel_impl("tree_attention")
     moe_impl = args.moe_impl or args.kernels or default_kernel_impl("moe_int4")
-    norm_impl = args.norm_impl or args.kernels or default_kernel_impl("rms_norm")
+    norm_impl = args.norm_impl or default_kernel_impl("rms_norm")  # opt-in: not switched by --kernels
     t = time.perf_counter()
     params = build_target_params(cfg, n, args.seed)
     layout = resolve_expert_layout(cfg, moe_impl, want=args.expert_layout)
@@ -1062,7 +1062,7 @@ def parse_args(argv=None):
     ap.add_argument("--kernels", default=None, help="xla | pallas (default: the engine's default)")
     ap.add_argument("--attn-impl", default=None, help="tree attention only: auto | pallas | xla (overrides --kernels)")
     ap.add_argument("--moe-impl", default=None, help="routed experts only: xla | pallas | mgpu (overrides --kernels)")
-    ap.add_argument("--norm-impl", default=None, help="one-row RMSNorms only: xla | pallas (overrides --kernels)")
+    ap.add_argument("--norm-impl", default=None, help="one-row RMSNorms: xla | pallas (opt-in kernel; default xla)")
     ap.add_argument("--expert-layout", default="auto", choices=("auto", "kernel", "mgpu", "checkpoint"),
                     help="auto: the layout of the MoE kernel that runs (checkpoint for xla)")
     ap.add_argument("--block-size", type=int, default=None, help="drafter block size (default: the config's, 8)")

