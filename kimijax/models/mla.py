@@ -66,10 +66,13 @@ class MLA(nn.Module):
         w_o_DHV = param(self, "o_proj", (D, H, V), ("embed", "heads", "v_dim"), dt, fan_in=H * V)
 
         with jax.named_scope("mla_proj"):
-            cq_BTQ = rms_norm(jnp.einsum("btd,qd->btq", x_BTD, w_qa_QD), w_qa_norm, c.latent_norm_eps, self.norm_impl)
+            # q_a and kv_a as one GEMM. XLA merges the two dots itself from two rows on, not for one row; the
+            # concatenate fuses into the GEMM (no weight copy): offline, a layer at T=1 is one launch fewer
+            both = jnp.einsum("btd,cd->btc", x_BTD, jnp.concatenate([w_qa_QD, w_kva_CD]))
+            qa_BTQ, kva_BTC = both[..., :Q], both[..., Q:]
+            cq_BTQ = rms_norm(qa_BTQ, w_qa_norm, c.latent_norm_eps, self.norm_impl)
             q_BTHE = jnp.einsum("btq,heq->bthe", cq_BTQ, w_qb_HEQ)
             q_nope_BTHN, q_pe_BTHR = q_BTHE[..., :N], q_BTHE[..., N:]
-            kva_BTC = jnp.einsum("btd,cd->btc", x_BTD, w_kva_CD)
             # XLA's norm here: its multiply fuses into the cache write (a kernel would add the slice's launch)
             ckv_BTK = rms_norm(kva_BTC[..., :K], w_kva_norm, c.latent_norm_eps)
             inv_freq, amp = yarn_inv_freq(R, c.rope_theta, c.rope_scaling)
