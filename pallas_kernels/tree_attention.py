@@ -29,7 +29,8 @@ Kernel (split-K flash decoding, after jax.experimental.pallas.ops.gpu.decode_att
     tree mask.  The mask travels bit-packed (int32 [B, T, ceil(T/32)], bit u%32 of word u//32 = key
     u of the tree block); each program gathers the words of its rows once.
   * S = 1: the kernel writes the normalised output (q dtype) and the LSE directly.  S > 1: each split
-    writes a normalised f32 partial and its LSE; an XLA log-sum-exp combine merges the splits.
+    writes a normalised f32 partial and its LSE; a log-sum-exp combine merges the splits (XLA's, three
+    launches, or `combine="pallas"`: one more small kernel, opt-in until timed).
   * Online softmax in base 2 with -inf masking; a row that sees no visible key anywhere gets output
     0 and lse -inf (the XLA reference returns NaN for such rows).
   * Options: transposed=True computes S^T = K q^T and O^T = V^T P^T (q on the N side); value_splits=2 gives
@@ -276,6 +277,50 @@ def _attn_kernel(len_ref, bits_ref, q_ref, cache_ref, o_ref, lse_ref, *, T, H, K
     pltriton.store(lse_ref, lse)
 
 
+def _combine_kernel(lse_ref, o_ref, out_ref, lse_out_ref, *, S: int, SC: int):
+    """Program (b, row block, value-column block): the log-sum-exp merge of the S splits' normalised partials,
+    `combine_splits` in one launch (XLA needs three: a max, a weighted sum, a divide and cast)."""
+    Sp = lse_ref.shape[0]
+    valid = (lax.broadcasted_iota(jnp.int32, (Sp,), 0) < S)[:, None]
+    m = jnp.max(pltriton.load(lse_ref, mask=valid, other=-jnp.inf), axis=0)  # [bm]
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    den = jnp.sum(jnp.exp(pltriton.load(lse_ref, mask=valid, other=-jnp.inf) - m[None]), axis=0)
+
+    def chunk(c, acc):
+        ok = (c * SC + lax.broadcasted_iota(jnp.int32, (SC,), 0)) < S
+        w = jnp.exp(pltriton.load(lse_ref.at[pl.ds(c * SC, SC)], mask=ok[:, None], other=-jnp.inf) - m[None])
+        o = pltriton.load(o_ref.at[pl.ds(c * SC, SC)], mask=ok[:, None, None], other=0.0)
+        return acc + jnp.sum(w[:, :, None] * o, axis=0)
+
+    acc = lax.fori_loop(0, Sp // SC, chunk, jnp.zeros(out_ref.shape, jnp.float32))
+    seen = den > 0
+    pltriton.store(out_ref, (acc / jnp.where(seen, den, 1.0)[:, None]).astype(out_ref.dtype))
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        pltriton.store(lse_out_ref, jnp.where(seen, m + jnp.log(jnp.where(seen, den, 1.0)), -jnp.inf))
+
+
+def combine_splits_pallas(o_BSMK, lse_BSM, dtype, *, interpret: bool = False, bm: int = 16, bk: int = 32):
+    """`combine_splits(o, lse, axis=1)` cast to `dtype`, as one kernel: -> (o [B, M, K] dtype, lse [B, M] f32).
+    M must be a multiple of bm and K of bk (the attention kernel's padded rows; K = 512)."""
+    B, S, M, K = o_BSMK.shape
+    bk = min(bk, K)
+    SC = min(16, next_pow2(S))  # splits per loop step: [SC, bm, bk] f32 partials in registers
+    Sp = -(-S // SC) * SC
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, S=S, SC=SC),
+        grid=(B, M // bm, K // bk),
+        in_specs=[pl.BlockSpec((None, next_pow2(Sp), bm), lambda b, m, k: (b, 0, m)),
+                  pl.BlockSpec((None, next_pow2(Sp), bm, bk), lambda b, m, k: (b, 0, m, k))],
+        out_specs=[pl.BlockSpec((None, bm, bk), lambda b, m, k: (b, m, k)),
+                   pl.BlockSpec((None, bm), lambda b, m, k: (b, m))],
+        out_shape=[jax.ShapeDtypeStruct((B, M, K), dtype), jax.ShapeDtypeStruct((B, M), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret, name="tree_attention_combine",
+    )(lse_BSM, o_BSMK)
+
+
 def _auto_splits(B: int, n_mblocks: int, L: int, bk: int, n_sm: int = 132, min_split: int = 128) -> int:
     """Splits along L so that B * n_mblocks * S programs fill whole waves of the SMs (>= 90 %)."""
     base = B * n_mblocks
@@ -295,9 +340,14 @@ def _auto_splits(B: int, n_mblocks: int, L: int, bk: int, n_sm: int = 132, min_s
 def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: float, kv_rank: int = 512, *,
                           block_m: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                           num_warps: int | None = None, num_stages: int | None = None, transposed: bool = False,
-                          value_splits: int = 1, interpret: bool = False, n_sm: int = 132, min_split: int = 128):
+                          value_splits: int = 1, interpret: bool = False, n_sm: int = 132, min_split: int = 128,
+                          combine: str = "xla"):
     """Pallas tree attention (see module docstring). Same contract as `tree_attention_ref`.  min_split: the
-    fewest keys per split when the splits along L are chosen automatically (num_splits=None)."""
+    fewest keys per split when the splits along L are chosen automatically (num_splits=None). combine: how the
+    splits merge, "xla" (`combine_splits`, three launches; measured) or "pallas" (`combine_splits_pallas`, one
+    launch; offline a K2.6 layer at T=1 / 9 is 2 / 1 launches fewer; opt-in until timed)."""
+    if combine not in ("xla", "pallas"):
+        raise ValueError(f"unknown split combine {combine!r}: choose xla or pallas")
     B, T, H, C = q_BTHC.shape
     L = cache_BLC.shape[1]
     K = kv_rank
@@ -350,7 +400,9 @@ def tree_attention_pallas(q_BTHC, cache_BLC, lengths_B, tree_mask_BTT, scale: fl
         name="tree_attention",
     )(lengths_B, bits_BTW, q_BMC, cache_BLC)
 
-    if not single:
+    if not single and combine == "pallas":
+        o, lse = combine_splits_pallas(o, lse, q_BTHC.dtype, interpret=interpret, bk=min(32, K))
+    elif not single:
         o, lse = combine_splits(o, lse, axis=1, weights_column=T == 1)  # fewer launches at T = 1 only
         o = o.astype(q_BTHC.dtype)
     if Mp != M:

@@ -261,7 +261,9 @@ ATT_CONFIGS = {  # the kernel's defaults; earlier sweeps (BENCHMARKS.md) measure
 ATT_AB_CONFIGS = {"default": dict(), "xla": "xla",
                   "m32w8": dict(block_m=32, num_warps=8), "m32w4": dict(block_m=32, num_warps=4),
                   "m16": dict(block_m=16), "m16k64": dict(block_m=16, block_k=64),
-                  "m16_split64": dict(block_m=16, min_split=64), "vs2": dict(value_splits=2)}
+                  "m16_split64": dict(block_m=16, min_split=64), "vs2": dict(value_splits=2),
+                  # the splits merged by one kernel instead of XLA's three launches (combine_splits_pallas)
+                  "default_cmb": dict(combine="pallas"), "m32w8_cmb": dict(block_m=32, num_warps=8, combine="pallas")}
 ATT_AB_CASES = ("1:4096:9,1:32768:9,1:32768:33,1:131072:17,32:4096:9,128:2048:9,1:4096:1,32:4096:1" if not SMALL
                 else "1:300:9,2:200:5")
 

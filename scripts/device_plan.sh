@@ -9,7 +9,8 @@
 #                                       nor on an H200)
 #   bash scripts/device_plan.sh attn    issue 4: MLA tree attention at 8 heads per device (tensor parallel over 8
 #                                       GPUs: memory-bound at T=9), kernel configurations vs XLA at the issue's
-#                                       (B, L, T) and at T=1
+#                                       (B, L, T) and at T=1; at 64 heads, the splits merged by one kernel
+#                                       (combine="pallas") against XLA's three launches
 #   bash scripts/device_plan.sh round   issue 6: SmolLM2 round time per method (random weights: a round's shapes
 #                                       are static), C=1 AR / b8 / b16 with XLA's kernels and with the opt-in tree
 #                                       and commit kernels, C=32 AR / b4 / b3 / b2
@@ -50,8 +51,10 @@ moe)
     --moe-tokens 1,129,9,33,17,65
   ;;
 attn)
-  step attn_h8 "$LIM" env OUT="$W" python3 scripts/bench_kernels.py --attn-ab default,xla,m32w8,m16,m16k64,m16_split64 \
-    --attn-heads 8
+  step attn_h8 $(( LIM * 2 / 3 )) env OUT="$W/h8" python3 scripts/bench_kernels.py \
+    --attn-ab default,default_cmb,xla,m32w8,m32w8_cmb,m16,m16k64 --attn-heads 8
+  step attn_h64_combine $(( LIM / 3 )) env OUT="$W/h64" python3 scripts/bench_kernels.py --attn-ab default,default_cmb \
+    --attn-heads 64 --attn-cases 1:4096:1,1:4096:9,1:32768:1,1:32768:9,8:4096:1
   ;;
 round)
   R="python3 scripts/profile_round.py --random-drafter --calls 5"

@@ -98,6 +98,13 @@ def test_many_splits_block_m_16():
     _check(fresh_seed(), B=1, L=333, T=9, H=3, num_splits=5, block_m=16, block_k=16)
 
 
+@pytest.mark.parametrize("T,H,splits", [(1, 4, 7), (9, 3, 20)])
+def test_splits_merged_by_the_combine_kernel(T, H, splits):
+    # the whole attention with combine="pallas": some splits see no key at all (short committed lengths)
+    _check(fresh_seed(), B=3, L=333, T=T, H=H, num_splits=splits, block_k=16, combine="pallas",
+           lengths=[0, 100, 333 - T])
+
+
 def test_value_splits_and_transposed():
     # two programs per row block, each accumulating half of the value columns; S^T / O^T orientation
     seed = fresh_seed()
@@ -187,3 +194,27 @@ def test_kernel_lowers_for_the_gpu_at_full_width(heads, kw):
     ir = triton_ir(fn, S((2, 9, heads, 576), jnp.bfloat16), S((2, 4096, 576), jnp.bfloat16), S((2,), jnp.int32),
                    S((2, 9, 9), jnp.bool_))
     assert list(ir) == ["tree_attention"] and "tt.dot" in ir["tree_attention"]
+    ir = triton_ir(functools.partial(fn, combine="pallas"), S((2, 9, heads, 576), jnp.bfloat16),
+                   S((2, 4096, 576), jnp.bfloat16), S((2,), jnp.int32), S((2, 9, 9), jnp.bool_))
+    assert list(ir) == ["tree_attention", "tree_attention_combine"]  # 4k keys: several splits
+
+
+@pytest.mark.parametrize("S", [2, 13, 37])
+def test_split_combine_kernel(S):
+    # the splits' log-sum-exp merge as one kernel against combine_splits: splits that saw nothing (lse -inf),
+    # a row no split saw (output 0, lse -inf), S not a multiple of the kernel's 16-split chunks
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    B, M, K = 2, 48, 64
+    o = jnp.asarray(rng.normal(size=(B, S, M, K)), jnp.float32)
+    lse = rng.normal(size=(B, S, M)) * 4
+    lse[rng.random(lse.shape) < 0.3] = -np.inf
+    lse[1, :, 5] = -np.inf
+    lse = jnp.asarray(lse, jnp.float32)
+    out, lse_out = jax.jit(lambda o, l: ta.combine_splits_pallas(o, l, jnp.bfloat16, interpret=True))(o, lse)
+    ref, ref_lse = ta.combine_splits(o, lse, axis=1)
+    assert out.dtype == jnp.bfloat16 and out.shape == (B, M, K) and lse_out.shape == (B, M)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref.astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-2, err_msg=str(seed))
+    np.testing.assert_allclose(np.asarray(lse_out), np.asarray(ref_lse), rtol=1e-5, atol=1e-5, err_msg=str(seed))
+    assert np.all(np.asarray(out[1, 5], np.float32) == 0) and np.asarray(lse_out)[1, 5] == -np.inf
