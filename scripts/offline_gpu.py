@@ -254,7 +254,7 @@ def _attn(T: int, L: int, impl: str):
     return _kimi_block(MLA(cfg, jnp.bfloat16, impl), T, L)
 
 
-def _layer(T: int, L: int, impl: str, moe_impl: str = "pallas", norm_impl: str = "pallas"):
+def _layer(T: int, L: int, impl: str, moe_impl: str = "pallas", norm_impl: str = "xla"):
     """One full-width Kimi K2.6 MoE decoder layer (norms, absorbed MLA, router, INT4 experts in the layout of
     the MoE kernel that runs: "pallas" the Triton kernel, "mgpu" the Mosaic GPU one; shared expert)."""
     import jax.numpy as jnp
@@ -352,7 +352,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="mgpu", choices=["mgpu", "triton"])
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--moe-impl", default="pallas", choices=["pallas", "mgpu"], help="layer: the MoE kernel")
-    ap.add_argument("--norm-impl", default="pallas", choices=["pallas", "xla"], help="layer: the one-row norms")
+    ap.add_argument("--norm-impl", default="xla", choices=["xla", "pallas"], help="layer: the one-row norms (the model: xla)")
+    ap.add_argument("--attn-combine", default="xla", choices=["xla", "pallas"],
+                    help="attn / layer: how the attention kernel's key splits merge (XLA's or one kernel)")
     args = ap.parse_args(argv)
     if args.cmd == "sass":
         from pallas_kernels.moe_int4_mgpu import Config
@@ -363,6 +365,9 @@ def main(argv=None) -> int:
             print(f"{name}: {r['registers']} registers, {r['spill_bytes']} B spilled; main loop "
                   f"{r['loop_len']} instructions: " + " ".join(f"{k} {v}" for k, v in r["loop_ops"].items()))
         return 0
+    if args.attn_combine != "xla":  # an experiment switch, not a model field: set the kernel's default here
+        from pallas_kernels import tree_attention as ta
+        ta.tree_attention_pallas = functools.partial(ta.tree_attention_pallas, combine=args.attn_combine)
     if args.cmd == "mesh":  # the tree attention on a mesh: left to GSPMD vs sharding.attention_tp
         for shard in (False, True):
             c = _attn_on_mesh(args.layout, args.tokens, args.context, args.batch, shard)
