@@ -284,9 +284,9 @@ def attn_ab(roof, peak, names, cases, heads):
     print("|---|---|---|---|---|" + "---|" * len(names))
     for (B, L, T) in cases:
         recs = [ab.get(f"{n}|H{heads}_B{B}_L{L}_T{T}", {}) for n in names]
-        cells = [f"{r['kernel_dev_us']:.1f} us ({r['pct_of_floor_dev']:.1f} %)" + ("" if r.get("ok", True) else " WRONG")
-                 if "kernel_dev_us" in r else (f"{r['kernel_us']:.1f} us wall" if "kernel_us" in r else "error")
-                 for r in recs]
+        cells = [(f"{r['kernel_dev_us']:.1f} us ({r['pct_of_floor_dev']:.1f} %)"
+                  + ("" if r.get("ok", True) else " WRONG")) if "kernel_dev_us" in r
+                 else (f"{r['kernel_us']:.1f} us wall" if "kernel_us" in r else "error") for r in recs]
         r0 = next((r for r in recs if "floor_us" in r), {})
         print(f"| {B} | {L} | {T} | {r0.get('floor_us', float('nan')):.1f} | "
               f"{r0.get('compute_floor_us', float('nan')):.1f} | " + " | ".join(cells) + " |")

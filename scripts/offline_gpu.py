@@ -291,7 +291,8 @@ def _attn_on_mesh(layout: str, T: int, L: int, B: int, shard: bool):
 def _mesh_report(hlo: str) -> str:
     """All-gathers and the kernel's query rows per device in a compiled mesh program."""
     gathers = len(re.findall(r"= [^=]*\ball-gather(?:-start)?\(", hlo))
-    rows = [m.group(1) for m in re.finditer(r"= \(f32\[\d+,\d+,(\d+),\d+\][^=]*custom-call\(.*__gpu\$xla\.gpu\.triton", hlo)]
+    kernel_out = r"= \(f32\[\d+,\d+,(\d+),\d+\][^=]*custom-call\(.*__gpu\$xla\.gpu\.triton"  # o [B, S, rows, K]
+    rows = [m.group(1) for m in re.finditer(kernel_out, hlo)]
     return f"{gathers} all-gathers; the kernel's query rows per device (padded to its blocks): {', '.join(rows) or '?'}"
 
 
@@ -352,7 +353,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="mgpu", choices=["mgpu", "triton"])
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--moe-impl", default="pallas", choices=["pallas", "mgpu"], help="layer: the MoE kernel")
-    ap.add_argument("--norm-impl", default="xla", choices=["xla", "pallas"], help="layer: the one-row norms (the model: xla)")
+    ap.add_argument("--norm-impl", default="xla", choices=["xla", "pallas"],
+                    help="layer: the one-row norms (the model's default: xla)")
     ap.add_argument("--attn-combine", default="xla", choices=["xla", "pallas"],
                     help="attn / layer: how the attention kernel's key splits merge (XLA's or one kernel)")
     args = ap.parse_args(argv)

@@ -19,7 +19,8 @@ from pallas_kernels import rms_norm as rn
 
 
 @pytest.mark.parametrize("shape,dtype", [((1, 1, 7168), jnp.bfloat16), ((1, 576), jnp.float32),
-                                         ((1, 1, 1536), jnp.bfloat16), ((100,), jnp.float32), ((1, 1, 17), jnp.bfloat16)])
+                                         ((1, 1, 1536), jnp.bfloat16), ((100,), jnp.float32),
+                                         ((1, 1, 17), jnp.bfloat16)])
 def test_one_row_matches_reference(shape, dtype):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
