@@ -472,19 +472,19 @@ def moe_mgpu(x_TD, ids_TK, w_TK, experts: dict, *, cfg: Config = Config(), inter
     if "gate_packed" in experts:
         experts = to_mgpu_layout(experts)
     x = x_TD.astype(jnp.bfloat16)
-    if T == 1:  # decode: each pair with its own weight, no duplicate marks (top-k ids are distinct; a repeated id
-        # would be read twice, still exact). Zero-weight pairs are skipped; the select also lets XLA fuse the ids'
-        # slice out of top-k with the weights' scaling (offline: a Kimi layer 33 -> 32 launches, as the Triton one)
-        slot_e = jnp.where(w_TK[0] != 0, ids_TK[0].astype(jnp.int32), -1)
-        xg = jnp.pad(x, ((0, NB - T), (0, 0))).T.reshape(D // GROUP, GROUP, NB)
-    elif T <= MAX_DENSE_TOKENS:
-        slot_e, wt = routing(ids_TK, w_TK)
+    dense = T <= MAX_DENSE_TOKENS
+    if dense:  # one x tile for all pairs: the tokens are its columns
+        if T == 1:  # decode: each pair with its own weight, no duplicate marks (top-k ids are distinct; a repeated
+            # id would be read twice, still exact). Zero-weight pairs are skipped; the select also lets XLA fuse the
+            # ids' slice out of top-k with the weights' scaling (offline: a Kimi layer 33 -> 32 launches)
+            slot_e = jnp.where(w_TK[0] != 0, ids_TK[0].astype(jnp.int32), -1)
+        else:
+            slot_e, wt = routing(ids_TK, w_TK)
         xg = jnp.pad(x, ((0, NB - T), (0, 0))).T.reshape(D // GROUP, GROUP, NB)
     else:
         slot_e, tok, at_TK = routing_sorted(ids_TK, experts["gu_q"].shape[0])
         x_pad = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])  # row T: empty columns
         xg = jnp.transpose(x_pad[tok], (0, 2, 1)).reshape(-1, D // GROUP, GROUP, NB)
-    dense = T <= MAX_DENSE_TOKENS
     h = _gate_up(slot_e, xg, experts["gu_q"], experts["gu_s"], cfg=cfg, interpret=interpret)
     # dense: every pair's rows are summed, so inactive pairs write zeros (0 * garbage could be NaN)
     y_PDN = _down(slot_e, h, experts["dn_q"], experts["dn_s"], cfg=cfg, interpret=interpret, zero_inactive=dense)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.tree_attention import next_pow2
+
 IMPLS = ("xla", "pallas", "interpret")
 
 
@@ -52,7 +54,7 @@ def rms_norm_pallas(x, w, eps: float, *, interpret: bool = False):
     D = x.shape[-1]
     if math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"rms_norm_pallas normalises one row; got x of shape {x.shape}")
-    Dp = 1 << max(4, (D - 1).bit_length())  # Triton blocks are powers of two; the tail is masked
+    Dp = max(16, next_pow2(D))  # Triton blocks are powers of two; the tail is masked
     out = pl.pallas_call(
         functools.partial(_kernel, D=D, eps=float(eps)),
         out_shape=jax.ShapeDtypeStruct((D,), x.dtype),

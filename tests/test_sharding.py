@@ -340,7 +340,7 @@ def test_tree_attention_runs_each_devices_heads(layout, monkeypatch):
     assert out.sharding.spec[2] == "tensor"
 
 
-def test_tree_attention_heads_must_divide(ref):
+def test_tree_attention_heads_must_divide():
     from sharding.attention_tp import make_attention_fn
 
     fn = make_attention_fn(make_mesh("tp8"))
